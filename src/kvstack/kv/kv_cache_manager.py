@@ -1,0 +1,102 @@
+"""Per-request block tables on top of the block pool, with automatic prefix caching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstack.kv.block_hash import hash_full_blocks
+from kvstack.kv.block_pool import BlockPool, KVBlock
+from kvstack.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+class KVCacheManager:
+    """Owns which blocks each request holds. Never touches tensors."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, fingerprint: str
+    ) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.fingerprint = fingerprint
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _extra_keys(self, request: Request) -> tuple[str, ...]:
+        return (self.fingerprint, request.cache_salt or "")
+
+    def match_prefix(self, request: Request) -> PrefixHit:
+        """Longest chain of cached full blocks; the last token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return PrefixHit([], 0)
+        tokens = request.token_ids()
+        request.block_hashes = hash_full_blocks(
+            tokens, self.block_size, self._extra_keys(request), request.block_hashes
+        )
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hit: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        return PrefixHit(hit, len(hit) * self.block_size)
+
+    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Give `request` room for `num_new_tokens` more; False (and no change) if it can't fit.
+
+        With a prefix hit (a request being admitted), the hit blocks become its first blocks.
+        """
+        hit_blocks = hit.blocks if hit else []
+        num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
+        num_held = len(request.blocks) + len(hit_blocks)
+        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - num_held
+        # Reviving a free cached block takes it out of the free queue too.
+        num_revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free - num_revived:
+            return False
+        if hit is not None:
+            self.pool.touch(hit_blocks)
+            request.blocks.extend(hit_blocks)
+            request.num_computed_tokens += hit.num_tokens
+        if num_new_blocks > 0:
+            request.blocks.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def record_query(self, request: Request, hit: PrefixHit) -> None:
+        self.num_query_tokens += request.num_tokens
+        self.num_hit_tokens += hit.num_tokens
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish the request's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        tokens = request.token_ids()
+        if len(request.block_hashes) < num_full:
+            request.block_hashes = hash_full_blocks(
+                tokens[: num_full * self.block_size],
+                self.block_size,
+                self._extra_keys(request),
+                request.block_hashes,
+            )
+        for block, block_hash in zip(request.blocks[:num_full], request.block_hashes, strict=False):
+            self.pool.cache(block, block_hash)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its head stays cached longest."""
+        self.pool.free(reversed(request.blocks))
+        request.blocks = []
+        request.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,153 @@
+"""The offline API, shaped like vLLM's `LLM`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kvstack.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from kvstack.engine import LLMEngine
+from kvstack.errors import InvalidRequestError
+from kvstack.outputs import RequestOutput
+from kvstack.sampling_params import SamplingParams
+from kvstack.stats import EngineStats
+
+PromptType = str | dict[str, Any]
+Message = dict[str, str]
+
+
+class LLM:
+    """Generate from a batch of prompts: `LLM(model="smollm2-135m").generate(prompts, params)`."""
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        dtype: str = "float32",
+        kv_cache_memory: int | str = "1GiB",
+        block_size: int = 16,
+        use_kv_cache: bool = True,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        num_threads: int | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory=parse_size(kv_cache_memory),
+                use_kv_cache=use_kv_cache,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
+            num_threads=num_threads,
+        )
+        self.engine = LLMEngine(config)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion (batched); outputs come back in prompt order.
+
+        A prompt is a string or `{"prompt_token_ids": [...]}` (optionally with "prompt").
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = _broadcast(sampling_params, len(prompts))
+        requests = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                requests.append(self.engine.add_request(_prompt_input(prompt), p,
+                                                        cache_salt=cache_salt))
+            final: dict[str, RequestOutput] = {}
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        finally:
+            # An error mid-batch (or Ctrl-C) must not leave requests holding blocks.
+            for r in requests:
+                self.engine.abort(r.request_id)
+        return [final[r.request_id] for r in requests]
+
+    def stream(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Run one prompt, yielding its output after every new token (cumulative text)."""
+        params = sampling_params or SamplingParams()
+        request = self.engine.add_request(_prompt_input(prompt), params, cache_salt=cache_salt)
+        try:
+            while not request.finished:
+                for out in self.engine.step():
+                    if out.request_id == request.request_id:
+                        yield out
+        finally:
+            self.engine.abort(request.request_id)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt)
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True
+    ) -> list[int]:
+        if not messages:
+            raise InvalidRequestError("messages is empty; give at least one message")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InvalidRequestError("each message needs a 'role' and a 'content'")
+        ids = self.engine.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        # transformers >= 5 returns a BatchEncoding here; older versions a plain list.
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block not in use (e.g. after reloading weights)."""
+        return self.engine.reset_prefix_cache()
+
+
+def _prompt_input(prompt: PromptType) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    raise InvalidRequestError("a prompt is a string or a dict with 'prompt_token_ids'")
+
+
+def _broadcast(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise InvalidRequestError(f"got {len(params)} sampling params for {n} prompts")
+    return list(params)

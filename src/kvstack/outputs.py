@@ -1,0 +1,54 @@
+"""What the engine hands back to users: vLLM-shaped request outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timings of one request, in seconds (time.perf_counter based)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    last_token_time: float | None = None
+    # Seconds between consecutive output tokens (the first entry is the gap after the first).
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, from arrival."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if not self.inter_token_latencies:
+            return None
+        return sum(self.inter_token_latencies) / len(self.inter_token_latencies)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    # Log-probability of each chosen token under the model's raw distribution, when asked for.
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics

@@ -1,0 +1,103 @@
+"""Turns a scheduled step into tensors, runs the model and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstack.attention import AttentionMetadata, PrefillSpan
+from kvstack.kv.storage import KVCacheStorage
+from kvstack.sampler import Sampler
+from kvstack.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepResult:
+    # One entry per scheduled request; None where the step did not reach a new token
+    # (a prefill chunk that is not the last).
+    token_ids: list[int | None]
+    logprobs: list[float | None]
+
+
+class ModelRunner:
+    def __init__(self, model: object, kv: KVCacheStorage | None, sampler: Sampler) -> None:
+        self.model = model
+        self.kv = kv
+        self.sampler = sampler
+        self.block_size = kv.block_size if kv is not None else 0
+
+    def run(self, batch: SchedulerOutput) -> StepResult:
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv)
+        samplers = [s for s in batch.scheduled if s.samples]
+        result = StepResult([None] * len(batch.scheduled), [None] * len(batch.scheduled))
+        if not samplers:
+            return result
+        logits = self.model.compute_logits(hidden[sample_rows])
+        tokens, logprobs = self.sampler(logits, [s.request.sampling for s in samplers])
+        j = 0
+        for i, s in enumerate(batch.scheduled):
+            if s.samples:
+                result.token_ids[i] = tokens[j]
+                result.logprobs[i] = logprobs[j] if logprobs is not None else None
+                j += 1
+        return result
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Slots of token positions [start, end) of a sequence with these blocks."""
+        bs = self.block_size
+        blocks = torch.tensor(block_ids, dtype=torch.int64)
+        all_slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()
+        return all_slots[start:end]
+
+    def _prepare(
+        self, batch: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        decode_rows: list[int] = []
+        decode_ctx: list[torch.Tensor] = []
+        prefills: list[PrefillSpan] = []
+        sample_rows: list[int] = []
+        for s in batch.scheduled:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            row = len(ids)
+            ids.extend(r.token_ids()[start:end])
+            pos.extend(range(start, end))
+            if self.kv is not None:
+                block_ids = [b.block_id for b in r.blocks]
+                seq_slots = self._slots(block_ids, 0, end)
+                slot_parts.append(seq_slots[start:end])
+                if end - start == 1 and start > 0:
+                    decode_rows.append(row)
+                    decode_ctx.append(seq_slots)
+                else:
+                    prefills.append(PrefillSpan(row, row + end - start, end,
+                                                seq_slots if start > 0 else None))
+            else:
+                prefills.append(PrefillSpan(row, row + end - start, end, None))
+            if s.samples:
+                sample_rows.append(row + end - start - 1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_parts) if slot_parts else None,
+            decode_rows=None, decode_slots=None, decode_mask=None, prefills=prefills,
+        )
+        if decode_rows:
+            max_ctx = max(len(c) for c in decode_ctx)
+            slots = torch.zeros(len(decode_ctx), max_ctx, dtype=torch.int64)
+            mask = torch.zeros(len(decode_ctx), 1, 1, max_ctx, dtype=torch.bool)
+            for i, c in enumerate(decode_ctx):
+                slots[i, : len(c)] = c
+                mask[i, 0, 0, : len(c)] = True
+            meta.decode_rows = torch.tensor(decode_rows)
+            meta.decode_slots = slots
+            meta.decode_mask = mask
+        return (
+            torch.tensor(ids, dtype=torch.int64),
+            torch.tensor(pos, dtype=torch.int64),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.int64),
+        )

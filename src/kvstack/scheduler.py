@@ -1,0 +1,157 @@
+"""Which requests run this step, and how many new tokens each computes.
+
+Each step has a token budget (`max_num_batched_tokens`) and a cap on running requests
+(`max_num_seqs`). Running decodes are planned first (one token each), then unfinished
+prefills, then new arrivals, each prefill chunked to what is left of the budget. When the
+pool runs dry the most recently admitted request is preempted (blocks freed, requeued at the
+front, recomputed later with its output so far as prompt) — but not one resumed just now.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvstack.config import SchedulerConfig
+from kvstack.kv.kv_cache_manager import KVCacheManager
+from kvstack.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens, so a token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill. `kv=None` is the no-KV-cache baseline."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | None) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.step_index = 0
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_index += 1
+        if self.kv is None:
+            return self._schedule_without_cache()
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        # Decodes first so a long prefill never stalls them; then unfinished prefills.
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in order:
+            if request.status is not RequestStatus.RUNNING or budget == 0:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                continue
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        if out.num_preempted == 0:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        assert self.kv is not None
+        while not self.kv.allocate(request, num_new):
+            victim = self._pick_victim(exclude=request, out=out)
+            if victim is None:
+                self._preempt(request, out)
+                return False
+            self._preempt(victim, out)
+        return True
+
+    def _pick_victim(self, exclude: Request, out: SchedulerOutput) -> Request | None:
+        """Most recently admitted running request, sparing ones resumed in the last step."""
+        planned = {id(s.request) for s in out.scheduled}
+        candidates = [r for r in self.running if r is not exclude and id(r) not in planned]
+        fresh = [r for r in candidates if r.resumed_at_step < self.step_index - 1]
+        pool = fresh or candidates
+        return pool[-1] if pool else None
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        assert self.kv is not None
+        self.kv.free(request)
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        out.num_preempted += 1
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        assert self.kv is not None
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit = self.kv.match_prefix(request)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if not self.kv.allocate(request, num_new, hit):
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.PREEMPTED:
+                request.resumed_at_step = self.step_index
+            else:
+                request.num_cached_tokens = hit.num_tokens
+                self.kv.record_query(request, hit)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _schedule_without_cache(self) -> SchedulerOutput:
+        # Baseline: every step recomputes each running request's whole sequence from token 0.
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_cached_tokens = 0
+            self.running.append(request)
+        out = SchedulerOutput()
+        for request in self.running:
+            request.num_computed_tokens = 0
+            out.scheduled.append(ScheduledRequest(request, request.num_tokens))
+        return out
+
+    def after_step(self, output: SchedulerOutput) -> None:
+        """Advance computed-token counts and publish newly full blocks."""
+        for s in output.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            if self.kv is not None:
+                self.kv.cache_computed_blocks(s.request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request (done or aborted) and release its blocks at once."""
+        if request.status is RequestStatus.FINISHED:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if self.kv is not None:
+            self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason

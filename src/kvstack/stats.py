@@ -1,0 +1,31 @@
+"""A typed snapshot of engine counters for the CLI, benchmarks and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_requests_running: int
+    num_requests_waiting: int
+    block_size: int
+    num_blocks_total: int
+    num_blocks_free: int  # allocatable now, cached-but-unused blocks included
+    num_blocks_cached: int  # free blocks still holding a reusable prefix
+    num_blocks_used: int  # held by running requests
+    kv_cache_bytes: int  # bytes of K/V storage allocated
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_blocks_used / self.num_blocks_total if self.num_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_query_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0

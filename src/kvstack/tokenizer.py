@@ -1,0 +1,71 @@
+"""Tokenizer of a checkpoint, with GGUF-embedded tokenizers converted once and cached on disk."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from kvstack.errors import ModelLoadError
+from kvstack.weights.checkpoint import Checkpoint, one_line
+
+logger = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    """$KVSTACK_CACHE_DIR, else ~/.cache/kvstack."""
+    return Path(os.environ.get("KVSTACK_CACHE_DIR") or Path.home() / ".cache" / "kvstack")
+
+
+def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, chat template included. Never touches the network.
+
+    Converting a GGUF vocabulary takes seconds, so the converted tokenizer is saved under
+    `cache_root()/tokenizers/<fingerprint>/` and loaded from there afterwards.
+    """
+    if ckpt.tokenizer_gguf_file is None:
+        return _from_pretrained(ckpt.tokenizer_path, None)
+    cached = cache_root() / "tokenizers" / ckpt.fingerprint
+    if cached.is_dir():
+        try:
+            return _from_pretrained(cached, None)
+        except ModelLoadError as err:
+            logger.warning("rebuilding unreadable tokenizer cache %s: %s", cached, err)
+            shutil.rmtree(cached, ignore_errors=True)
+    tokenizer = _from_pretrained(ckpt.tokenizer_path, ckpt.tokenizer_gguf_file)
+    _store(tokenizer, cached)
+    return tokenizer
+
+
+def _from_pretrained(path: Path, gguf_file: str | None) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelLoadError(
+            f"cannot load a tokenizer from {path / (gguf_file or '')} ({one_line(err)}); "
+            "the model folder needs tokenizer.json or tokenizer.model"
+        ) from err
+
+
+def _store(tokenizer: PreTrainedTokenizerBase, cached: Path) -> None:
+    # Written beside its final place and renamed, so readers never see a half-written folder.
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
+    except OSError as err:
+        logger.warning("not caching the tokenizer in %s: %s", cached, one_line(err))
+        return
+    try:
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(cached)
+    except OSError as err:
+        # Another process may have stored the same fingerprint first: theirs is as good.
+        if not cached.is_dir():
+            logger.warning("not caching the tokenizer in %s: %s", cached, one_line(err))
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

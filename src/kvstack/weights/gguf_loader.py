@@ -1,0 +1,309 @@
+"""GGUF files (llama.cpp) -> float32 tensors in Hugging Face names and a config.json-style dict."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from kvstack.config import ModelConfig
+from kvstack.errors import ModelLoadError, UnsupportedModelError
+from kvstack.weights.checkpoint import (
+    Checkpoint,
+    check_tensors,
+    fingerprint_files,
+    model_config_from_hf,
+    one_line,
+)
+
+
+class _Arch(NamedTuple):
+    hf_class: str
+    model_type: str
+    attention_bias: bool
+    # convert_hf_to_gguf reorders Q/K rows for llama.cpp's interleaved rope on these only.
+    permuted_qk: bool
+
+
+_ARCHITECTURES = {
+    "llama": _Arch("LlamaForCausalLM", "llama", False, True),
+    # Mistral without its sliding window is a Llama.
+    "mistral": _Arch("LlamaForCausalLM", "llama", False, True),
+    "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", True, False),
+}
+
+_SUPPORTED_TYPES = frozenset({
+    QType.F32, QType.F16, QType.BF16,
+    QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
+    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
+})  # fmt: skip
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"
+# Llama 3's pre-training context; any value works (only ratios matter), this one reproduces
+# the published low/high freq factors of Llama 3.x.
+_LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def load_gguf(path: Path) -> Checkpoint:
+    """Dequantize every tensor of a llama/qwen2 GGUF to float32 and map it to HF names."""
+    reader = _open(path)
+    arch_name = _value(reader, "general.architecture")
+    if arch_name is None:
+        raise ModelLoadError(f"{path} lacks general.architecture; the file is incomplete")
+    if arch_name not in _ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path}: GGUF architecture {arch_name!r} is not supported "
+            f"(supported: {', '.join(_ARCHITECTURES)})"
+        )
+    arch = _ARCHITECTURES[arch_name]
+    infos = {t.name: t for t in reader.tensors}
+    for info in infos.values():
+        if info.tensor_type not in _SUPPORTED_TYPES:
+            raise UnsupportedModelError(
+                f"{path}: tensor {info.name} has type {info.tensor_type.name}, which is not "
+                "supported; use a file quantized to F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_*/Q*_K"
+            )
+    hf_config = _hf_config(reader, arch_name, arch, infos, path)
+    config = model_config_from_hf(hf_config, path)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in infos.items():
+        if name == _ROPE_FREQS:  # folded into hf_config["rope_scaling"]
+            continue
+        tensors[_hf_name(name, path)] = _dequantize(info, path)
+    check_tensors(tensors, config, path)
+    if arch.permuted_qk:
+        _unpermute_qk(tensors, config)
+
+    has_tokenizer = reader.get_field("tokenizer.ggml.model") is not None
+    return Checkpoint(
+        config=config,
+        hf_config=hf_config,
+        tensors=tensors,
+        tokenizer_path=path.parent,
+        tokenizer_gguf_file=path.name if has_tokenizer else None,
+        fingerprint=fingerprint_files([path]),
+        source="gguf",
+    )
+
+
+def _open(path: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as err:  # the reader raises bare ValueError/IndexError/... on bad bytes
+        raise ModelLoadError(
+            f"cannot read {path} as GGUF ({one_line(err)}); "
+            "the file is truncated or not a GGUF, re-download it"
+        ) from err
+
+
+def _value(reader: gguf.GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def _hf_config(
+    reader: gguf.GGUFReader,
+    prefix: str,
+    arch: _Arch,
+    infos: dict[str, gguf.ReaderTensor],
+    path: Path,
+) -> dict[str, Any]:
+    def required(key: str) -> Any:
+        value = _value(reader, f"{prefix}.{key}")
+        if value is None:
+            raise ModelLoadError(
+                f"{path} lacks GGUF metadata {prefix}.{key}; the file is incomplete, re-convert it"
+            )
+        return value
+
+    if "token_embd.weight" not in infos:
+        raise ModelLoadError(f"{path} lacks tensor token_embd.weight; re-download or re-convert it")
+    hidden = int(required("embedding_length"))
+    num_heads = int(required("attention.head_count"))
+    head_dim = int(
+        _value(reader, f"{prefix}.attention.key_length")
+        or _value(reader, f"{prefix}.rope.dimension_count")
+        or hidden // num_heads
+    )
+    rope_theta = float(_value(reader, f"{prefix}.rope.freq_base") or 10000.0)
+    eos_ids = [
+        int(v)
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if (v := _value(reader, f"tokenizer.ggml.{key}")) is not None
+    ]
+    eos_ids = list(dict.fromkeys(eos_ids))
+    bos = _value(reader, "tokenizer.ggml.bos_token_id")
+    return {
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
+        # The embedding's row count is authoritative (token lists are sometimes padded or short).
+        "vocab_size": int(
+            _value(reader, f"{prefix}.vocab_size") or infos["token_embd.weight"].shape[1]
+        ),
+        "hidden_size": hidden,
+        "intermediate_size": int(required("feed_forward_length")),
+        "num_hidden_layers": int(required("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(
+            _value(reader, f"{prefix}.attention.head_count_kv") or num_heads
+        ),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(required("context_length")),
+        "rms_norm_eps": float(required("attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(reader, prefix, infos, head_dim, rope_theta, path),
+        "tie_word_embeddings": "output.weight" not in infos,
+        "attention_bias": arch.attention_bias,
+        "hidden_act": "silu",
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+    }
+
+
+def _rope_scaling(
+    reader: gguf.GGUFReader,
+    prefix: str,
+    infos: dict[str, gguf.ReaderTensor],
+    head_dim: int,
+    theta: float,
+    path: Path,
+) -> dict[str, Any] | None:
+    if _ROPE_FREQS in infos:
+        factors = gguf.quants.dequantize(infos[_ROPE_FREQS].data, infos[_ROPE_FREQS].tensor_type)
+        return _llama3_from_rope_freqs(factors.reshape(-1), head_dim, theta, path)
+    kind = _value(reader, f"{prefix}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = _value(reader, f"{prefix}.rope.scaling.factor")
+    if kind == "linear" and factor is not None:
+        return {"rope_type": "linear", "factor": float(factor)}
+    # Running with plain rope instead would silently give wrong outputs.
+    raise UnsupportedModelError(
+        f"{path}: rope scaling {kind!r} is not supported (supported: linear, llama3)"
+    )
+
+
+def _llama3_from_rope_freqs(
+    factors: np.ndarray, head_dim: int, theta: float, path: Path
+) -> dict[str, Any] | None:
+    """Recover HF llama3 rope parameters from the per-pair frequency divisors llama.cpp stores.
+
+    convert_hf_to_gguf writes 1 for short wavelengths, `factor` for long ones, and
+    1 / ((1 - s) / factor + s) in between, where s = (1/wavelen - 1/W_low) / (1/W_high - 1/W_low)
+    is linear in 1/wavelen. A line through the blended pairs gives both thresholds W_low and
+    W_high, which is all llama3 scaling depends on.
+    """
+    factors = factors.astype(np.float64)
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0):
+        return None
+    inv_wavelen = (1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)) / (2 * math.pi)
+    if len(factors) != len(inv_wavelen):
+        raise ModelLoadError(
+            f"{path}: {_ROPE_FREQS} has {len(factors)} values, expected {len(inv_wavelen)}; "
+            "the file is inconsistent, re-convert it"
+        )
+    blended = ~np.isclose(factors, 1.0, rtol=1e-6) & ~np.isclose(factors, factor, rtol=1e-6)
+    unsupported = UnsupportedModelError(
+        f"{path}: {_ROPE_FREQS} is not llama3-style rope scaling; this model is not supported"
+    )
+    if blended.sum() < 2:
+        raise unsupported
+    smooth = (1 / factors[blended] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(inv_wavelen[blended], smooth, 1)
+    old_len = _LLAMA3_ORIGINAL_CONTEXT
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        # 5 significant digits undo float32 noise (256.000004 -> 256.0); checked below.
+        "low_freq_factor": float(f"{old_len * -intercept / slope:.5g}"),
+        "high_freq_factor": float(f"{old_len * (1 - intercept) / slope:.5g}"),
+        "original_max_position_embeddings": old_len,
+    }
+    if not np.allclose(_llama3_divisors(inv_wavelen, scaling), factors, rtol=1e-4):
+        raise unsupported
+    return scaling
+
+
+def _llama3_divisors(inv_wavelen: np.ndarray, s: dict[str, Any]) -> np.ndarray:
+    # The factors convert_hf_to_gguf would write for these parameters.
+    old_len, factor = s["original_max_position_embeddings"], s["factor"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    smooth = (old_len * inv_wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(smooth >= 1, 1.0, np.where(smooth <= 0, factor, blended))
+
+
+def _hf_name(name: str, path: Path) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    raise UnsupportedModelError(
+        f"{path} has tensor {name} that the Llama-family model does not use; "
+        "this model variant is not supported"
+    )
+
+
+def _dequantize(info: gguf.ReaderTensor, path: Path) -> torch.Tensor:
+    try:
+        # A plain ndarray view: numpy memmap slicing overhead dominates small-block dequantization.
+        values = gguf.quants.dequantize(np.asarray(info.data), info.tensor_type)
+    except Exception as err:  # malformed blocks surface as numpy shape errors
+        raise ModelLoadError(
+            f"cannot dequantize tensor {info.name} of {path} ({one_line(err)}); "
+            "the file is corrupt, re-download it"
+        ) from err
+    # F32 comes back as a view of the read-only memory map: own the memory.
+    if not values.flags.writeable:
+        values = values.copy()
+    # ggml lists dimensions innermost first; numpy/torch outermost first.
+    shape = tuple(int(d) for d in reversed(info.shape.tolist()))
+    return torch.from_numpy(values.reshape(shape))
+
+
+def _unpermute_qk(tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    for i in range(config.num_layers):
+        for proj, num_heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+            for suffix in ("weight", "bias"):
+                name = f"model.layers.{i}.self_attn.{proj}.{suffix}"
+                if name in tensors:
+                    tensors[name] = _unpermute(tensors[name], num_heads)
+
+
+def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    # Per head, convert_hf_to_gguf maps HF row (half, i) to row (i, half) so that llama.cpp's
+    # rope rotates adjacent pairs: rows [H, 2, D/2] -> [H, D/2, 2]. Swap back.
+    rest = w.shape[1:]
+    return (
+        w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(w.shape)
+        .contiguous()
+    )
