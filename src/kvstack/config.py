@@ -143,8 +143,9 @@ class EngineConfig:
     dtype: str = "float32"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    seed: int = 0
     num_threads: int | None = None
+    # Token-id prompts only, no text out: for checkpoints shipped without a tokenizer.
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):

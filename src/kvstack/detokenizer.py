@@ -20,6 +20,13 @@ class Decoder(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+class NullDecoder:
+    """Stands in for a tokenizer when an engine runs on token ids only: no text."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
 class IncrementalDetokenizer:
     """Streams the text of a request's output tokens, one delta per added token.
 

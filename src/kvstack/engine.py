@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from kvstack.config import EngineConfig
-from kvstack.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from kvstack.detokenizer import IncrementalDetokenizer, NullDecoder, find_stop, stop_holdback
 from kvstack.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from kvstack.estimate import KVShape
 from kvstack.kv.kv_cache_manager import KVCacheManager
@@ -37,7 +37,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         ckpt = load_checkpoint(config.model)
         self.model_config = ckpt.config
-        self.tokenizer = load_tokenizer(ckpt)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(ckpt)
         self.dtype = _DTYPES[config.dtype]
         self.model = model_class(ckpt.config.architecture)(ckpt.config, self.dtype)
         self.model.load_weights(ckpt.tensors)
@@ -69,7 +69,7 @@ class LLMEngine:
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
 
@@ -103,7 +103,7 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             max_tokens=max_tokens,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids,
+            detokenizer=IncrementalDetokenizer(self.tokenizer or NullDecoder(), token_ids,
                                                params.skip_special_tokens),
             cache_salt=cache_salt,
         )
@@ -113,6 +113,10 @@ class LLMEngine:
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "this engine runs without a tokenizer; give prompt_token_ids"
+                )
             if not prompt:
                 raise InvalidRequestError("prompt is empty; give at least one token of text")
             return list(self.tokenizer.encode(prompt))
@@ -147,6 +151,9 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     # -- the step ---------------------------------------------------------------------------
 

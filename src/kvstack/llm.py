@@ -30,6 +30,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         num_threads: int | None = None,
+        skip_tokenizer_init: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -44,6 +45,7 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
             ),
             num_threads=num_threads,
+            skip_tokenizer_init=skip_tokenizer_init,
         )
         self.engine = LLMEngine(config)
 

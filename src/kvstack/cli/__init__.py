@@ -51,9 +51,9 @@ def add_model_args(parser: argparse.ArgumentParser, cache_switches: bool = True)
                        help="weights and KV cache dtype")
     group.add_argument("--kv-cache-memory", type=byte_size, default="1GiB", metavar="SIZE",
                        help="bytes of K/V storage to preallocate, e.g. 512MiB or 2GiB")
-    group.add_argument("--block-size", type=positive_int, default=16,
+    group.add_argument("--block-size", type=positive_int, default=16, metavar="N",
                        help="tokens per KV block (a power of two)")
-    group.add_argument("--threads", type=positive_int, default=None,
+    group.add_argument("--threads", type=positive_int, default=None, metavar="N",
                        help="torch CPU threads (default: torch's choice)")
     if not cache_switches:
         parser.set_defaults(no_kv_cache=False, no_prefix_caching=False)
@@ -84,15 +84,20 @@ def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     """Sampling flags; value ranges are checked by `SamplingParams`, before any model loads."""
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=positive_int, default=max_tokens,
+    group.add_argument("--max-tokens", type=positive_int, default=max_tokens, metavar="N",
                        help="most tokens to generate")
-    group.add_argument("--temperature", type=float, default=0.0,
-                       help="0 decodes greedily (the CLI's default)")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0, help="0 or -1 turns it off")
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
-    group.add_argument("--seed", type=int, default=None, help="seed of a sampled request")
+    group.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                       help="0 decodes greedily")
+    group.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                       help="sample from the smallest set of tokens with this much probability")
+    group.add_argument("--top-k", type=int, default=0, metavar="K",
+                       help="sample from the K most likely tokens; 0 or -1 turns it off")
+    group.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                       help="drop tokens less likely than P x the top token's probability")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                       help="divide the logits of tokens already seen by R (1 = off)")
+    group.add_argument("--seed", type=int, default=None, metavar="N",
+                       help="seed of a sampled request, for repeatable draws")
     group.add_argument("--stop", action="append", default=None, metavar="TEXT",
                        help="stop when this text appears (repeatable)")
     group.add_argument("--ignore-eos", action="store_true",

@@ -40,8 +40,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--max-tokens tokens from the same prompt with the KV cache and without it, and "
         "compare TTFT, decode speed and KV bytes.",
     )
-    parser.add_argument("--question", default=QUESTION)
-    parser.add_argument("--max-tokens", type=positive_int, default=100,
+    parser.add_argument("--question", default=QUESTION, metavar="TEXT",
+                        help="asked through the chat template, answered greedily")
+    parser.add_argument("--max-tokens", type=positive_int, default=100, metavar="N",
                         help="tokens generated in each timed run")
     add_model_args(parser, cache_switches=False)
     parser.set_defaults(run=run)
@@ -59,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
     stream_text(llm, prompt, SamplingParams(temperature=0.0, max_tokens=64))
 
     timed = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    print(f"\nTiming {args.max_tokens} new tokens from the same prompt (greedy, ignore_eos) ...")
+    num_prompt = len(prompt["prompt_token_ids"])
+    print(f"\nTiming {args.max_tokens} new tokens after the same {num_prompt}-token prompt "
+          "(greedy, ignore_eos) ...")
     # The answer above left the prompt's blocks in the prefix cache; drop them so that both
     # runs prefill the whole prompt and the comparison is the KV cache alone.
     llm.reset_prefix_cache()
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     uncached = _timed_run("no KV cache", baseline, prompt, timed)
 
     print()
-    _print_table([cached, uncached])
+    _print_table([cached, uncached], shape, args.block_size)
     same = cached.output.outputs[0].token_ids == uncached.output.outputs[0].token_ids
     print(f"\nsame {args.max_tokens} tokens with and without the cache: {'yes' if same else 'NO'}")
     _print_kv_bytes(cached, shape, args.block_size)
@@ -92,9 +95,9 @@ def _timed_run(label: str, llm: LLM, prompt: dict[str, list[int]],
     return _Run(label, outputs[-1], peak)
 
 
-def _print_table(runs: list[_Run]) -> None:
+def _print_table(runs: list[_Run], shape: KVShape, block_size: int) -> None:
     baseline = total_time(runs[-1].output.metrics)
-    header = ("", "TTFT", "decode", "total", "speed-up")
+    header = ("", "TTFT", "decode", "total", "speed-up", "KV held")
     rows = [header]
     for r in runs:
         m, n = r.output.metrics, len(r.output.outputs[0].token_ids)
@@ -106,6 +109,7 @@ def _print_table(runs: list[_Run]) -> None:
             "n/a" if rate is None else f"{rate:.1f} tok/s",
             "n/a" if total is None else f"{total:.2f} s",
             "n/a" if speedup is None else f"{speedup:.1f}x",
+            format_bytes(r.peak_blocks * block_size * shape.bytes_per_token),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:

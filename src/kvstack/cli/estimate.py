@@ -29,18 +29,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"--seq-len 4096 --dtype float16   (or: --model {DEFAULT_MODEL})",
     )
     shape = parser.add_argument_group("shape (instead of --model)")
-    shape.add_argument("--layers", type=positive_int)
-    shape.add_argument("--kv-heads", type=positive_int)
-    shape.add_argument("--head-dim", type=positive_int)
-    parser.add_argument("--model", help="read the shape from this model's config")
+    shape.add_argument("--layers", type=positive_int, metavar="N", help="decoder layers")
+    shape.add_argument("--kv-heads", type=positive_int, metavar="N",
+                       help="key/value heads per layer (fewer than query heads under GQA)")
+    shape.add_argument("--head-dim", type=positive_int, metavar="N", help="size of one head")
+    parser.add_argument("--model", metavar="NAME",
+                        help="read the shape from this model's config (e.g. smollm2-135m)")
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPE_BYTES),
-                        help="KV element type (the engine's default is float32)")
-    parser.add_argument("--seq-len", type=positive_int,
+                        help="KV element type")
+    parser.add_argument("--seq-len", type=positive_int, metavar="N",
                         help="tokens per sequence (default: the model's context length)")
-    parser.add_argument("--batch", type=positive_int, default=1, help="sequences at once")
+    parser.add_argument("--batch", type=positive_int, default=1, metavar="N",
+                        help="sequences at once")
     parser.add_argument("--kv-cache-memory", type=byte_size, metavar="SIZE",
                         help="a KV budget, e.g. 1GiB: report the tokens and sequences that fit")
-    parser.add_argument("--block-size", type=positive_int, default=16,
+    parser.add_argument("--block-size", type=positive_int, default=16, metavar="N",
                         help="tokens per KV block (a power of two)")
     parser.set_defaults(run=run)
     return parser

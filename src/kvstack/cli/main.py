@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import kvstack
 from kvstack.cli import chat, demo, estimate, generate
@@ -21,8 +21,21 @@ class UsageError(KvstackError):
     """A flag is missing, unknown or malformed."""
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default in --help unless it is unset (None) or a switch (False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     """Raises instead of printing usage and exiting, so every error ends the same way."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see `{self.prog} --help`)")

@@ -1,0 +1,142 @@
+"""An asyncio front end: the engine steps in its own thread so the event loop stays free.
+
+`generate(...)` yields a request's cumulative outputs as tokens arrive; leaving the
+iterator early (client gone, `break`, cancellation) aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from kvstack.engine import LLMEngine
+from kvstack.errors import KvstackError
+from kvstack.outputs import RequestOutput
+from kvstack.sampling_params import SamplingParams
+from kvstack.stats import EngineStats
+
+
+class EngineDeadError(KvstackError):
+    """The engine thread failed; the server should be restarted."""
+
+    http_status = 503
+    error_type = "api_error"
+
+
+class QueueFullError(KvstackError):
+    """Too many requests are waiting; retry later."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._lock = threading.Lock()  # guards every touch of `engine`
+        self._wake = threading.Event()
+        self._stop = False
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="kvstack-engine", daemon=True)
+        self._thread.start()
+
+    # -- engine thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop:
+            with self._lock:
+                busy = self.engine.has_unfinished()
+                try:
+                    outputs = self.engine.step() if busy else []
+                except BaseException as err:  # noqa: BLE001 - every stream must hear of it
+                    self._fail(err)
+                    return
+                for out in outputs:
+                    self._deliver(out.request_id, out, out.finished)
+            if not busy:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+
+    def _deliver(self, request_id: str, item: Any, last: bool) -> None:
+        stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if stream is not None:
+            loop, queue = stream
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _fail(self, err: BaseException) -> None:
+        self._error = err
+        dead = EngineDeadError(f"engine failed: {err!r}; restart the server")
+        for request_id in list(self._streams):
+            self._deliver(request_id, dead, last=True)
+
+    # -- public API --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request (validation errors raise here) and stream its outputs."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self._add, prompt, params, request_id, cache_salt, loop, queue)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    def _add(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue[Any],
+    ) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine failed: {self._error!r}; restart the server")
+        with self._lock:
+            if self.max_waiting is not None and self.engine.num_waiting() >= self.max_waiting:
+                raise QueueFullError(
+                    f"{self.max_waiting} requests are already waiting; retry later"
+                )
+            self.engine.add_request(prompt, params, request_id=request_id,
+                                    cache_salt=cache_salt)
+            self._streams[request_id] = (loop, queue)
+        self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks now."""
+        await asyncio.to_thread(self._abort, request_id)
+
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self.engine.stats()
+
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self.engine.requests)
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
