@@ -128,6 +128,18 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             self.engine.abort(request_id)
 
+    async def pin_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None, ttl_s: float
+    ) -> tuple[int, int]:
+        """`LLMEngine.pin_prefix` under the engine lock."""
+        return await asyncio.to_thread(self._pin_prefix, token_ids, cache_salt, ttl_s)
+
+    def _pin_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None, ttl_s: float
+    ) -> tuple[int, int]:
+        with self._lock:
+            return self.engine.pin_prefix(token_ids, cache_salt, ttl_s)
+
     def stats(self) -> EngineStats:
         with self._lock:
             return self.engine.stats()

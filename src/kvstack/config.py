@@ -119,10 +119,16 @@ class CacheConfig:
     kv_cache_memory: int = 1024**3
     use_kv_cache: bool = True
     enable_prefix_caching: bool = True
+    # Share of the pool that pinned prefixes (prompt caching) may hold; past it the oldest lapse.
+    max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise InvalidRequestError(
+                f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"
+            )
 
 
 @dataclass(frozen=True)

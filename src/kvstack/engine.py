@@ -59,7 +59,8 @@ class LLMEngine:
             self.kv_storage = KVCacheStorage(self.model_config, num_blocks, cache.block_size,
                                              self.dtype)
             self.kv_manager = KVCacheManager(num_blocks, cache.block_size,
-                                             cache.enable_prefix_caching, self.fingerprint)
+                                             cache.enable_prefix_caching, self.fingerprint,
+                                             int(num_blocks * cache.max_pinned_fraction))
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = ModelRunner(self.model, self.kv_storage, Sampler())
         self.requests: dict[str, Request] = {}
@@ -159,6 +160,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return outputs of requests that gained tokens or finished."""
+        if self.kv_manager is not None:
+            self.kv_manager.pins.expire(time.monotonic())
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return []
@@ -257,6 +260,18 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         return self.kv_manager.reset_prefix_cache() if self.kv_manager else 0
 
+    def pin_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None, ttl_s: float
+    ) -> tuple[int, int]:
+        """Keep the cached blocks of this prefix from eviction for `ttl_s` seconds (a pin hit
+        again is refreshed). Returns (tokens newly pinned, tokens already pinned); only full
+        blocks already in the prefix cache are pinned, so call it after the prefill."""
+        if self.kv_manager is None:
+            return 0, 0
+        now = time.monotonic()
+        self.kv_manager.pins.expire(now)
+        return self.kv_manager.pin_prefix(list(token_ids), cache_salt, now + ttl_s)
+
     def stats(self) -> EngineStats:
         kv = self.kv_manager
         pool = kv.pool if kv else None
@@ -274,8 +289,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            num_blocks_pinned=len(kv.pins) if kv else 0,
         )
 
     def check_integrity(self) -> None:
         if self.kv_manager is not None:
             self.kv_manager.pool.check_integrity()
+            self.kv_manager.pins.check_integrity()

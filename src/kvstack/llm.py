@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvstack.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from kvstack.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
 from kvstack.engine import LLMEngine
 from kvstack.errors import InvalidRequestError
 from kvstack.outputs import RequestOutput
@@ -27,6 +27,7 @@ class LLM:
         block_size: int = 16,
         use_kv_cache: bool = True,
         enable_prefix_caching: bool = True,
+        max_pinned_fraction: float = 0.5,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         num_threads: int | None = None,
@@ -40,6 +41,7 @@ class LLM:
                 kv_cache_memory=parse_size(kv_cache_memory),
                 use_kv_cache=use_kv_cache,
                 enable_prefix_caching=enable_prefix_caching,
+                max_pinned_fraction=max_pinned_fraction,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
@@ -48,6 +50,10 @@ class LLM:
             skip_tokenizer_init=skip_tokenizer_init,
         )
         self.engine = LLMEngine(config)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -121,9 +127,17 @@ class LLM:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError("each message needs a 'role' and a 'content'")
-        ids = self.engine.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True
-        )
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain prompt instead of messages"
+            )
+        try:
+            ids = tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except Exception as err:  # template errors (jinja raise_exception) are user input errors
+            raise InvalidRequestError(f"chat template rejected the messages: {err}") from err
         # transformers >= 5 returns a BatchEncoding here; older versions a plain list.
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 

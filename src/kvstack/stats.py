@@ -20,6 +20,7 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    num_blocks_pinned: int = 0  # held by prompt-cache pins (counted in num_blocks_used)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvstack.kv.block_hash import hash_full_blocks
 from kvstack.kv.block_pool import BlockPool, KVBlock
+from kvstack.kv.pins import PinRegistry
 from kvstack.request import Request
 
 
@@ -19,9 +20,17 @@ class KVCacheManager:
     """Owns which blocks each request holds. Never touches tensors."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, fingerprint: str
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        fingerprint: str,
+        max_pinned_blocks: int | None = None,
     ) -> None:
         self.pool = BlockPool(num_blocks)
+        self.pins = PinRegistry(
+            self.pool, num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
+        )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.fingerprint = fingerprint
@@ -32,7 +41,10 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def _extra_keys(self, request: Request) -> tuple[str, ...]:
-        return (self.fingerprint, request.cache_salt or "")
+        return self._salted_keys(request.cache_salt)
+
+    def _salted_keys(self, cache_salt: str | None) -> tuple[str, ...]:
+        return (self.fingerprint, cache_salt or "")
 
     def match_prefix(self, request: Request) -> PrefixHit:
         """Longest chain of cached full blocks; the last token is always left to compute."""
@@ -62,7 +74,8 @@ class KVCacheManager:
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - num_held
         # Reviving a free cached block takes it out of the free queue too.
         num_revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free - num_revived:
+        shortfall = num_new_blocks - (self.pool.num_free - num_revived)
+        if shortfall > 0 and not self.pins.release(shortfall, keep=hit_blocks):
             return False
         if hit is not None:
             self.pool.touch(hit_blocks)
@@ -100,3 +113,17 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
+
+    def pin_prefix(
+        self, token_ids: list[int], cache_salt: str | None, until: float
+    ) -> tuple[int, int]:
+        """Pin the cached full blocks of this prefix until `until` (see `PinRegistry`).
+
+        Returns (tokens newly pinned, tokens already pinned); a partial last block is never
+        pinned, nor anything past the first block missing from the cache.
+        """
+        if not self.enable_prefix_caching:
+            return 0, 0
+        hashes = hash_full_blocks(token_ids, self.block_size, self._salted_keys(cache_salt), [])
+        num_new, num_refreshed = self.pins.pin(hashes, until)
+        return num_new * self.block_size, num_refreshed * self.block_size

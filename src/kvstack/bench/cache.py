@@ -1,0 +1,167 @@
+"""`bench cache`: what the KV cache buys inside one request.
+
+One chat prompt, greedy, a fixed number of new tokens. Our engine with the KV cache and without
+it (every step recomputes the whole sequence), and transformers' `generate` with `use_cache`
+on and off, in the same run. Without a cache the per-token latency climbs with the position;
+with one it stays flat.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstack.bench.common import (
+    BenchOptions,
+    CaseResult,
+    Subject,
+    common_prefix,
+    fmt,
+    fmt_x,
+    new_figure,
+    per_second,
+    progress,
+    ratio,
+    save_figure,
+)
+from kvstack.bench.peers import PeerRun
+from kvstack.outputs import RequestOutput
+from kvstack.sampling_params import SamplingParams
+
+# 46 tokens through SmolLM2's chat template (system prompt included).
+QUESTION = "Explain in a few sentences how a key-value cache speeds up text generation."
+_WARMUP_TOKENS = 2
+
+
+def run(subject: Subject, options: BenchOptions) -> CaseResult:
+    new_tokens = 8 if options.quick else 100
+    prompt = subject.chat_prompt(QUESTION)
+    subject.require_context(len(prompt) + new_tokens, "the cache benchmark")
+    ours = {
+        "kv_cache": _ours(subject, options, prompt, new_tokens, use_kv_cache=True),
+        "no_kv_cache": _ours(subject, options, prompt, new_tokens, use_kv_cache=False),
+    }
+    peer = {
+        "kv_cache": _peer(subject, options, prompt, new_tokens, use_cache=True),
+        "no_kv_cache": _peer(subject, options, prompt, new_tokens, use_cache=False),
+    }
+    cached_ids = ours["kv_cache"]["token_ids"]
+    ratios = {
+        "ours_over_transformers_decode_kv_cache": ratio(ours["kv_cache"]["decode_tok_s"],
+                                                        peer["kv_cache"]["decode_tok_s"]),
+        "ours_over_transformers_decode_no_kv_cache": ratio(ours["no_kv_cache"]["decode_tok_s"],
+                                                           peer["no_kv_cache"]["decode_tok_s"]),
+        "kv_cache_speedup_ours": ratio(ours["kv_cache"]["decode_tok_s"],
+                                       ours["no_kv_cache"]["decode_tok_s"]),
+        "kv_cache_speedup_transformers": ratio(peer["kv_cache"]["decode_tok_s"],
+                                               peer["no_kv_cache"]["decode_tok_s"]),
+        "total_time_transformers_over_ours_kv_cache": ratio(peer["kv_cache"]["total_s"],
+                                                            ours["kv_cache"]["total_s"]),
+    }
+    agreement = {
+        "ours_kv_cache_vs_no_kv_cache": common_prefix(cached_ids,
+                                                      ours["no_kv_cache"]["token_ids"]),
+        "ours_vs_transformers": common_prefix(cached_ids, peer["kv_cache"]["token_ids"]),
+    }
+    plot = _plot(options, len(prompt), ours, peer)
+    summary = (
+        f"cache: {len(prompt)}-token prompt, {new_tokens} new tokens, {options.threads} threads"
+        f" | ours {fmt(ours['kv_cache']['decode_tok_s'])} tok/s with KV cache, "
+        f"{fmt(ours['no_kv_cache']['decode_tok_s'])} without "
+        f"({fmt_x(ratios['kv_cache_speedup_ours'])})"
+        f" | transformers {fmt(peer['kv_cache']['decode_tok_s'])} / "
+        f"{fmt(peer['no_kv_cache']['decode_tok_s'])} "
+        f"({fmt_x(ratios['kv_cache_speedup_transformers'])})"
+        f" | ours/theirs {fmt_x(ratios['ours_over_transformers_decode_kv_cache'])} cached, "
+        f"{fmt_x(ratios['ours_over_transformers_decode_no_kv_cache'])} uncached"
+        f" | {new_tokens} tokens in {fmt(ours['kv_cache']['total_s'])} s vs "
+        f"{fmt(ours['no_kv_cache']['total_s'])} s without cache"
+        f" | same tokens as transformers: {agreement['ours_vs_transformers']}/{new_tokens}"
+    )
+    return CaseResult(
+        case="cache",
+        summary=summary,
+        config={"model": options.model, "quick": options.quick, "question": QUESTION,
+                "prompt_tokens": len(prompt), "new_tokens": new_tokens, "greedy": True,
+                "ignore_eos": True, "dtype": "float32"},
+        results={"ours": ours, "transformers": peer, "ratios": ratios,
+                 "matching_tokens": agreement},
+        plots=[plot],
+    )
+
+
+def _ours(subject: Subject, options: BenchOptions, prompt: list[int], new_tokens: int,
+          use_kv_cache: bool) -> dict[str, Any]:
+    num_tokens = len(prompt) + new_tokens
+    # Prefix caching off: the warm-up must not make the measured prefill a cache hit.
+    llm = subject.llm(use_kv_cache=use_kv_cache, enable_prefix_caching=False,
+                      kv_cache_memory=subject.kv_shape().bytes_for(num_tokens + 64))
+    llm.generate({"prompt_token_ids": prompt[:8]}, _params(_WARMUP_TOKENS))
+    label = "ours, KV cache" if use_kv_cache else "ours, no KV cache"
+    final: RequestOutput | None = None
+    with progress(options, new_tokens, label) as bar:
+        for final in llm.stream({"prompt_token_ids": prompt}, _params(new_tokens)):
+            bar.update(1)
+    assert final is not None and final.metrics.first_token_time is not None
+    m = final.metrics
+    end = m.finished_time or m.last_token_time
+    return _record(
+        token_ids=final.outputs[0].token_ids,
+        ttft=m.ttft,
+        total=end - m.arrival_time,
+        latencies=m.inter_token_latencies,
+        prompt_len=len(prompt),
+    )
+
+
+def _peer(subject: Subject, options: BenchOptions, prompt: list[int], new_tokens: int,
+          use_cache: bool) -> dict[str, Any]:
+    peer = subject.peer()
+    peer.generate([prompt[:8]], _WARMUP_TOKENS, use_cache=use_cache)
+    label = "transformers, use_cache" if use_cache else "transformers, use_cache=False"
+    with progress(options, new_tokens, label) as bar:
+        result: PeerRun = peer.generate([prompt], new_tokens, use_cache=use_cache,
+                                        on_token=lambda: bar.update(1))
+    return _record(
+        token_ids=result.token_ids[0],
+        ttft=result.ttft,
+        total=result.elapsed,
+        latencies=result.inter_token_latencies,
+        prompt_len=len(prompt),
+    )
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _record(token_ids: list[int], ttft: float | None, total: float, latencies: list[float],
+            prompt_len: int) -> dict[str, Any]:
+    """One run's numbers. Latency i is the gap before output token i+1, whose step reads
+    `context_tokens[i]` = prompt_len + i + 1 positions."""
+    return {
+        "num_new_tokens": len(token_ids),
+        "ttft_s": ttft,
+        # After the first token: decode only (the first token pays the prefill, in TTFT).
+        "decode_tok_s": per_second(len(latencies), sum(latencies)),
+        "total_s": total,
+        "inter_token_latencies_ms": [round(t * 1000, 3) for t in latencies],
+        "context_tokens": [prompt_len + i + 1 for i in range(len(latencies))],
+        "token_ids": list(token_ids),
+    }
+
+
+def _plot(options: BenchOptions, prompt_len: int, ours: dict[str, Any],
+          peer: dict[str, Any]) -> str:
+    fig, ax = new_figure(
+        f"Per-token latency vs position ({prompt_len}-token prompt, {options.threads} threads)",
+        "context length (tokens)", "time per token (ms)",
+    )
+    for name, runs, style in (("kvstack", ours, "-"), ("transformers", peer, "--")):
+        for key, label in (("kv_cache", "KV cache"), ("no_kv_cache", "no KV cache")):
+            run = runs[key]
+            ax.plot(run["context_tokens"], run["inter_token_latencies_ms"], style,
+                    label=f"{name}, {label}", color="C0" if key == "kv_cache" else "C3",
+                    alpha=1.0 if name == "kvstack" else 0.6)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    return save_figure(fig, options, "cache_latency.png")

@@ -1,0 +1,277 @@
+"""What every benchmark case shares: the model under test, prompts, progress, results on disk.
+
+A case returns a `CaseResult`; `report` prints its one summary line (stdout) and writes
+`<out>/<case>.json`:
+
+    {"case": ..., "summary": "<the printed line>", "created": ISO time,
+     "machine": {cpu, logical_cpus, threads, load_average, torch, transformers, python, ...},
+     "config": {what was run: model, sizes, quick}, "results": {case-specific numbers},
+     "plots": [PNG file names beside the JSON]}
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import kvstack
+from kvstack.errors import InvalidRequestError, KvstackError, ModelLoadError
+from kvstack.estimate import KVShape
+from kvstack.llm import LLM
+from kvstack.tokenizer import load_tokenizer
+from kvstack.weights import load_checkpoint
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from tqdm import tqdm
+
+    from kvstack.bench.peers import TransformersPeer
+
+
+class MissingBenchDependencyError(KvstackError):
+    """matplotlib or tqdm is not installed."""
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str
+    threads: int
+    out: Path
+    quick: bool = False
+    peer_max_batch: int | None = None  # throughput: largest batch the peer runs (None = all)
+    show_progress: bool = True
+
+
+@dataclass
+class CaseResult:
+    case: str
+    summary: str
+    config: dict[str, Any]
+    results: dict[str, Any]
+    plots: list[str] = field(default_factory=list)
+
+
+class Subject:
+    """The model under test, loaded once per run: our engines, the transformers peer and the
+    prompts all come from the same checkpoint, so both sides see identical weights and ids.
+
+    A checkpoint without a tokenizer (e.g. a bare safetensors folder) still benchmarks: text
+    becomes its UTF-8 bytes taken as token ids (modulo the vocabulary) and engines run with
+    `skip_tokenizer_init`.
+    """
+
+    def __init__(self, options: BenchOptions) -> None:
+        self.options = options
+        self.checkpoint = load_checkpoint(options.model)
+        try:
+            self.tokenizer: Any | None = load_tokenizer(self.checkpoint)
+        except ModelLoadError:
+            self.tokenizer = None
+        self._peer: TransformersPeer | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.checkpoint.config.max_model_len
+
+    def kv_shape(self, dtype: str = "float32") -> KVShape:
+        return KVShape.of(self.checkpoint.config, dtype)
+
+    def llm(self, **kwargs: Any) -> LLM:
+        """An engine on this model in float32 with the run's thread count; kwargs go to `LLM`."""
+        torch.set_num_threads(self.options.threads)
+        return LLM(model=self.options.model, dtype="float32", num_threads=self.options.threads,
+                   skip_tokenizer_init=self.tokenizer is None, **kwargs)
+
+    def peer(self) -> TransformersPeer:
+        """The transformers model with our weights, built on first use."""
+        from kvstack.bench.peers import TransformersPeer
+
+        torch.set_num_threads(self.options.threads)
+        if self._peer is None:
+            self._peer = TransformersPeer(self.checkpoint)
+        return self._peer
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is not None:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        vocab = self.checkpoint.config.vocab_size
+        return [b % vocab for b in text.encode()]
+
+    def chat_prompt(self, question: str) -> list[int]:
+        """A user question through the chat template (plain encoding without a tokenizer)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template is None:
+            return self.encode(question)
+        ids = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        )
+        # transformers >= 5 returns a BatchEncoding here; older versions a plain list.
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def require_context(self, num_tokens: int, what: str) -> None:
+        if num_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"{what} needs {num_tokens} tokens of context but {self.options.model} has "
+                f"{self.max_model_len}; use --quick or a model with a longer context"
+            )
+
+
+def topic_texts() -> list[str]:
+    """Python's own reference documentation (pydoc topics), one text per topic, sorted by name:
+    realistic English-and-code prompts that ship with every Python."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics)]
+
+
+def distinct_prompts(subject: Subject, num: int, length: int) -> list[list[int]]:
+    """`num` prompts of about `length` tokens (length-4 .. length+4), each from its own topic,
+    so no two share a first block and the prefix cache finds nothing to reuse among them."""
+    texts = topic_texts()
+    prompts = []
+    for i in range(num):
+        text = texts[i % len(texts)]
+        ids = subject.encode(text)
+        # Past the topics, start later in the text so prompts stay distinct.
+        start = (i // len(texts)) * length
+        n = max(1, length + i % 9 - 4)
+        prompts.append(ids[start:start + n])
+    return prompts
+
+
+# -- measuring -------------------------------------------------------------------------------
+
+
+def per_second(count: float, seconds: float | None) -> float | None:
+    return count / seconds if seconds else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def fmt(value: float | None, digits: int = 1, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def fmt_ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def fmt_x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two outputs share (greedy runs of equal models match fully)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def progress(options: BenchOptions, total: int, desc: str) -> tqdm:
+    """A progress bar on stderr (stdout carries only the summary lines)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True,
+                disable=not options.show_progress)
+
+
+# -- reporting -------------------------------------------------------------------------------
+
+
+def check_dependencies() -> None:
+    """Fail with one line before any model loads when the plotting extras are missing."""
+    try:
+        import matplotlib  # noqa: F401
+        import tqdm  # noqa: F401
+    except ImportError as err:
+        raise MissingBenchDependencyError(
+            f"benchmarks need matplotlib and tqdm ({err.name} is missing); "
+            "run `pip install 'kvstack[bench]'`"
+        ) from err
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    import transformers
+
+    return {
+        "cpu": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "threads": threads,
+        # Other jobs on the machine show up here; read timings in that light.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "kvstack": kvstack.__version__,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def new_figure(title: str, xlabel: str, ylabel: str) -> tuple[Figure, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def save_figure(fig: Figure, options: BenchOptions, name: str) -> str:
+    options.out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(options.out / name, dpi=120)
+    return name
+
+
+def report(result: CaseResult, options: BenchOptions,
+           echo: Callable[[str], None] = print) -> Path:
+    """Print the case's summary line and write its JSON; return the JSON path."""
+    payload = {
+        "case": result.case,
+        "summary": result.summary,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(options.threads),
+        "config": result.config,
+        "results": result.results,
+        "plots": result.plots,
+    }
+    options.out.mkdir(parents=True, exist_ok=True)
+    path = options.out / f"{result.case}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    echo(result.summary)
+    return path

@@ -1,0 +1,141 @@
+"""`bench throughput`: offline output tokens per second as concurrency grows.
+
+At each concurrency c, c distinct prompts go to the engine at once (continuous batching) and
+to transformers' batched `generate` (left-padded), greedy, a fixed number of new tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvstack.bench.common import (
+    BenchOptions,
+    CaseResult,
+    Subject,
+    distinct_prompts,
+    fmt,
+    fmt_x,
+    median,
+    new_figure,
+    per_second,
+    progress,
+    ratio,
+    save_figure,
+)
+from kvstack.bench.peers import TransformersPeer
+from kvstack.outputs import RequestOutput
+from kvstack.sampling_params import SamplingParams
+
+CONCURRENCY = (1, 4, 16, 32, 64)
+QUICK_CONCURRENCY = (1, 2)
+
+
+def sizes(quick: bool) -> tuple[tuple[int, ...], int, int]:
+    """(concurrency levels, prompt tokens, new tokens) of the workload."""
+    return (QUICK_CONCURRENCY, 16, 4) if quick else (CONCURRENCY, 128, 64)
+
+
+def run(subject: Subject, options: BenchOptions) -> CaseResult:
+    levels, prompt_len, new_tokens = sizes(options.quick)
+    prompts = distinct_prompts(subject, max(levels), prompt_len)
+    longest = max(len(p) for p in prompts) + new_tokens
+    subject.require_context(longest, "the throughput benchmark")
+    peer_max = options.peer_max_batch if options.peer_max_batch is not None else max(levels)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+
+    llm = subject.llm(max_num_seqs=max(levels),
+                      kv_cache_memory=subject.kv_shape().bytes_for(longest + 16, max(levels)))
+    warmup = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompts[0][:8]}, warmup)
+    peer = subject.peer() if peer_max >= min(levels) else None
+    if peer is not None:
+        peer.generate([prompts[0][:8]], 2)
+    rows: list[dict[str, Any]] = []
+    with progress(options, len(levels) * 2, "throughput") as bar:
+        for c in levels:
+            batch = prompts[:c]
+            # Prompts repeat across levels: start each level with nothing cached.
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+            elapsed = time.perf_counter() - start
+            bar.update(1)
+            row = {"concurrency": c, "ours": _ours_row(outs, elapsed, new_tokens)}
+            if peer is not None and c <= peer_max:
+                row["transformers"] = _peer_row(peer, batch, new_tokens)
+                ours_ids = [o.outputs[0].token_ids for o in outs]
+                peer_ids = row["transformers"].pop("token_ids")
+                row["identical_outputs"] = sum(a == b for a, b in zip(ours_ids, peer_ids,
+                                                                      strict=True))
+            row["ours_over_transformers"] = ratio(row["ours"]["output_tok_s"],
+                                                  row.get("transformers", {}).get("output_tok_s"))
+            bar.update(1)
+            rows.append(row)
+    del llm
+
+    plot = _plot(options, rows, prompt_len, new_tokens)
+    ours_txt = "/".join(fmt(r["ours"]["output_tok_s"], 0) for r in rows)
+    peer_txt = "/".join(fmt(r.get("transformers", {}).get("output_tok_s"), 0) for r in rows)
+    ratio_txt = "/".join(fmt_x(r["ours_over_transformers"]) for r in rows)
+    summary = (
+        f"throughput: output tok/s at concurrency {'/'.join(str(c) for c in levels)} "
+        f"(~{prompt_len}-token prompts, {new_tokens} new tokens)"
+        f" | ours {ours_txt} | transformers {peer_txt} | ours/theirs {ratio_txt}"
+        f" | median ratio {fmt_x(median([r['ours_over_transformers'] for r in rows]))}"
+    )
+    return CaseResult(
+        case="throughput",
+        summary=summary,
+        config={"model": options.model, "quick": options.quick, "concurrency": list(levels),
+                "prompt_tokens": prompt_len, "prompt_tokens_range": [min(map(len, prompts)),
+                                                                     max(map(len, prompts))],
+                "new_tokens": new_tokens, "greedy": True, "ignore_eos": True,
+                "peer_max_batch": peer_max, "dtype": "float32"},
+        results={"levels": rows},
+        plots=[plot],
+    )
+
+
+def _ours_row(outs: list[RequestOutput], elapsed: float, new_tokens: int) -> dict[str, Any]:
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": generated,
+        "output_tok_s": per_second(generated, elapsed),
+        "mean_ttft_s": sum(o.metrics.ttft or 0.0 for o in outs) / len(outs),
+        "median_tpot_s": median([o.metrics.tpot for o in outs]),
+        "all_complete": all(len(o.outputs[0].token_ids) == new_tokens for o in outs),
+    }
+
+
+def _peer_row(peer: TransformersPeer, batch: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    result = peer.generate(batch, new_tokens)
+    generated = sum(len(t) for t in result.token_ids)
+    return {
+        "elapsed_s": result.elapsed,
+        "output_tokens": generated,
+        "output_tok_s": per_second(generated, result.elapsed),
+        "ttft_s": result.ttft,
+        "token_ids": result.token_ids,
+    }
+
+
+def _plot(options: BenchOptions, rows: list[dict[str, Any]], prompt_len: int,
+          new_tokens: int) -> str:
+    fig, ax = new_figure(
+        f"Offline throughput (~{prompt_len}-token prompts, {new_tokens} new tokens, "
+        f"{options.threads} threads)",
+        "concurrent requests", "output tokens / s",
+    )
+    ax.plot([r["concurrency"] for r in rows], [r["ours"]["output_tok_s"] for r in rows],
+            "o-", label="kvstack (continuous batching)")
+    peer_rows = [r for r in rows if "transformers" in r]
+    ax.plot([r["concurrency"] for r in peer_rows],
+            [r["transformers"]["output_tok_s"] for r in peer_rows],
+            "s--", label="transformers generate (left-padded batch)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r["concurrency"] for r in rows], [str(r["concurrency"]) for r in rows])
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    return save_figure(fig, options, "throughput.png")

@@ -1,0 +1,520 @@
+"""Scheduler + KVCacheManager with fake requests and a fake model: continuous batching,
+chunked prefill, preemption and automatic prefix caching, without torch.
+
+The fake model writes each computed token id into its slot (found through the request's
+block table) and picks the next token from the context it reads back through the block
+table. A wrong block table, a stale prefix hit or a block overwritten while shared changes
+the output, so every run is compared with `reference`, which never caches anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvstack.config import SchedulerConfig
+from kvstack.detokenizer import IncrementalDetokenizer, NullDecoder
+from kvstack.kv.block_hash import BlockHash
+from kvstack.kv.block_pool import BlockPool
+from kvstack.kv.kv_cache_manager import KVCacheManager
+from kvstack.request import Request, RequestStatus
+from kvstack.sampling_params import SamplingParams
+from kvstack.scheduler import Scheduler, SchedulerOutput
+
+VOCAB = 50
+
+
+def next_token(context: Sequence[int]) -> int:
+    """The fake model: a deterministic function of the whole context, order included."""
+    acc = 0
+    for t in context:
+        acc = (acc * 31 + t + 1) % 1_000_003
+    return acc % VOCAB
+
+
+def reference(prompt: Sequence[int], max_tokens: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(max_tokens):
+        seq.append(next_token(seq))
+    return seq[len(prompt) :]
+
+
+def make_request(
+    request_id: str, prompt: Sequence[int], max_tokens: int, cache_salt: str | None = None
+) -> Request:
+    ids = list(prompt)
+    return Request(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=ids,
+        params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        max_tokens=max_tokens,
+        detokenizer=IncrementalDetokenizer(NullDecoder(), ids),
+        cache_salt=cache_salt,
+    )
+
+
+class FakeEngine:
+    """The engine's step loop (schedule -> run -> after_step -> append/finish) over a fake
+    model that stores token ids in slots instead of K/V."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        budget: int,
+        max_num_seqs: int = 16,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, "fake-model")
+        config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+        self.scheduler = Scheduler(config, self.kv)
+        self.block_size = block_size
+        self.slots: dict[int, int] = {}
+        self.requests: list[Request] = []
+        self.trace: list[list[tuple[str, int]]] = []
+        self.hashed_tokens: dict[BlockHash, list[int]] = {}
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.kv.pool
+
+    def add(
+        self, request_id: str, prompt: Sequence[int], max_tokens: int, salt: str | None = None
+    ) -> Request:
+        request = make_request(request_id, prompt, max_tokens, salt)
+        self.requests.append(request)
+        self.scheduler.add(request)
+        return request
+
+    def _slot(self, request: Request, pos: int) -> int:
+        bs = self.block_size
+        return request.blocks[pos // bs].block_id * bs + pos % bs
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        self.trace.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
+        self._check_plan(out)
+        # Like attention: every new token is written before any context is read.
+        for s in out.scheduled:
+            r = s.request
+            tokens = r.token_ids()
+            for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
+                block = r.blocks[pos // self.block_size]
+                assert block.block_hash is None, "write into a published (shared) block"
+                assert block.ref_cnt == 1, "write into a block another request holds"
+                self.slots[self._slot(r, pos)] = tokens[pos]
+        sampled: list[int | None] = []
+        for s in out.scheduled:
+            r = s.request
+            end = r.num_computed_tokens + s.num_new_tokens
+            reaches_end = end == r.num_tokens
+            assert s.samples == reaches_end
+            context = [self.slots[self._slot(r, pos)] for pos in range(end)]
+            assert context == r.token_ids()[:end], "block table reads the wrong K/V"
+            sampled.append(next_token(context) if reaches_end else None)
+        self.scheduler.after_step(out)
+        for s, token in zip(out.scheduled, sampled, strict=True):
+            if token is None:
+                continue
+            s.request.output_token_ids.append(token)
+            if len(s.request.output_token_ids) >= s.request.max_tokens:
+                self.scheduler.finish(s.request, "length")
+        return out
+
+    def _check_plan(self, out: SchedulerOutput) -> None:
+        config = self.scheduler.config
+        planned = [s.request for s in out.scheduled]
+        assert len({id(r) for r in planned}) == len(planned), "a request planned twice"
+        assert out.num_tokens <= config.max_num_batched_tokens
+        assert all(s.num_new_tokens > 0 for s in out.scheduled)
+        assert all(r.status is RequestStatus.RUNNING for r in planned)
+        for s in out.scheduled:
+            r = s.request
+            assert r.num_computed_tokens + s.num_new_tokens <= r.num_tokens
+            assert len(r.blocks) * self.block_size >= r.num_computed_tokens + s.num_new_tokens
+
+    def run(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished():
+                return
+            self.step()
+            self.check()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    def check(self) -> None:
+        """Block accounting across the scheduler, the manager and the pool."""
+        pool, sched, bs = self.pool, self.scheduler, self.block_size
+        pool.check_integrity()
+        assert len(sched.running) <= sched.config.max_num_seqs
+        holders: dict[int, int] = {}
+        for r in sched.running:
+            assert r.status is RequestStatus.RUNNING
+            assert len({b.block_id for b in r.blocks}) == len(r.blocks)
+            # Exactly the blocks its computed tokens need: no leak, no over-allocation.
+            assert len(r.blocks) == -(-r.num_computed_tokens // bs)
+            for b in r.blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        for r in sched.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.blocks == [] and r.num_computed_tokens == 0
+        for r in self.requests:
+            if r.finished:
+                assert r.blocks == [] and r not in sched.running and r not in sched.waiting
+        for b in pool.blocks:
+            assert b.ref_cnt == holders.get(b.block_id, 0), f"block {b.block_id} ref count"
+        # A published block holds exactly the tokens its hash was computed from.
+        for r in self.requests:
+            for i, block_hash in enumerate(r.block_hashes):
+                tokens = r.token_ids()[i * bs : (i + 1) * bs]
+                assert self.hashed_tokens.setdefault(block_hash, tokens) == tokens
+        for b in pool.blocks:
+            if b.block_hash is not None:
+                content = [self.slots.get(b.block_id * bs + j) for j in range(bs)]
+                assert content == self.hashed_tokens[b.block_hash]
+
+
+# --- continuous batching and chunked prefill ----------------------------------------------
+
+
+def test_decodes_go_first_and_prefills_are_chunked_to_the_budget() -> None:
+    eng = FakeEngine(num_blocks=32, block_size=4, budget=8)
+    a = eng.add("A", range(6), 5)
+    eng.step()
+    b = eng.add("B", range(100, 120), 3)
+    eng.run()
+    assert eng.trace == [
+        [("A", 6)],
+        [("A", 1), ("B", 7)],  # A decodes first, B's prefill takes what is left
+        [("A", 1), ("B", 7)],
+        [("A", 1), ("B", 6)],  # B's last chunk samples its first token
+        [("A", 1), ("B", 1)],  # A's fifth token; A finishes
+        [("B", 1)],
+    ]
+    assert a.output_token_ids == reference(range(6), 5)
+    assert b.output_token_ids == reference(range(100, 120), 3)
+    assert eng.pool.num_in_use == 0
+    eng.check()
+
+
+@pytest.mark.parametrize("budget", [1, 3, 5, 16, 1000])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_outputs_do_not_depend_on_chunk_or_block_size(budget: int, block_size: int) -> None:
+    eng = FakeEngine(num_blocks=256, block_size=block_size, budget=budget)
+    prompts = [list(range(k, k + n)) for k, n in [(0, 1), (5, 17), (0, 33), (40, 4)]]
+    reqs = [eng.add(str(i), p, 6) for i, p in enumerate(prompts)]
+    eng.run()
+    assert [r.output_token_ids for r in reqs] == [reference(p, 6) for p in prompts]
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert max(sum(n for _, n in step) for step in eng.trace) <= budget
+    assert eng.pool.num_in_use == 0
+    eng.check()
+
+
+def test_max_num_seqs_caps_the_running_batch() -> None:
+    eng = FakeEngine(num_blocks=64, block_size=4, budget=100, max_num_seqs=2)
+    reqs = [eng.add(str(i), [i] * 5, 3) for i in range(4)]
+    eng.run()
+    assert max(len(step) for step in eng.trace) == 2
+    assert eng.trace[0] == [("0", 5), ("1", 5)]
+    assert ("2", 5) in eng.trace[3]  # admitted the step after 0 and 1 finish
+    assert [r.output_token_ids for r in reqs] == [reference([i] * 5, 3) for i in range(4)]
+    eng.check()
+
+
+# --- prefix caching -----------------------------------------------------------------------
+
+
+def test_prefix_hit_reuses_full_blocks_and_counts_queries() -> None:
+    eng = FakeEngine(num_blocks=32, block_size=4, budget=64)
+    shared = list(range(10))  # two full blocks + 2 tokens
+    a = eng.add("A", shared + [20, 21], 2)
+    eng.run()
+    assert a.num_cached_tokens == 0
+    # A computed 13 tokens: three full blocks published, all free again.
+    assert eng.pool.num_cached_free == 3 and eng.pool.num_in_use == 0
+    b = eng.add("B", shared + [30, 31, 32], 2)
+    eng.step()
+    assert b.num_cached_tokens == 8 and eng.trace[-1] == [("B", 5)]
+    assert [blk.block_hash for blk in b.blocks[:2]] == a.block_hashes[:2]
+    eng.run()
+    assert b.output_token_ids == reference(shared + [30, 31, 32], 2)
+    assert (eng.kv.num_query_tokens, eng.kv.num_hit_tokens) == (12 + 13, 8)
+    eng.check()
+
+
+def test_prefix_shared_between_running_requests() -> None:
+    eng = FakeEngine(num_blocks=32, block_size=4, budget=64)
+    a = eng.add("A", list(range(12)), 6)
+    eng.step()
+    b = eng.add("B", list(range(12)) + [1], 3)
+    eng.step()
+    assert b.num_cached_tokens == 12
+    assert [blk.block_id for blk in b.blocks[:3]] == [blk.block_id for blk in a.blocks[:3]]
+    assert all(blk.ref_cnt == 2 for blk in a.blocks[:3])
+    eng.check()
+    eng.run()
+    assert a.output_token_ids == reference(range(12), 6)
+    assert b.output_token_ids == reference(list(range(12)) + [1], 3)
+    assert eng.pool.num_in_use == 0
+    eng.check()
+
+
+def test_fully_cached_prompt_still_computes_its_last_token() -> None:
+    eng = FakeEngine(num_blocks=32, block_size=4, budget=64)
+    prompt = list(range(8))  # exactly two blocks
+    first = eng.add("A", prompt, 3)
+    eng.run()
+    again = eng.add("B", prompt, 3)
+    eng.step()
+    assert again.num_cached_tokens == 4  # not 8: the last token must run to sample
+    assert eng.trace[-1] == [("B", 4)]
+    eng.run()
+    assert again.output_token_ids == first.output_token_ids == reference(prompt, 3)
+    eng.check()
+
+
+def test_cache_salt_separates_prefixes() -> None:
+    eng = FakeEngine(num_blocks=32, block_size=4, budget=64)
+    prompt = list(range(9))
+    eng.add("A", prompt, 1, salt="alice")
+    eng.run()
+    other = eng.add("B", prompt, 1, salt="bob")
+    eng.run()
+    unsalted = eng.add("C", prompt, 1)
+    eng.run()
+    same = eng.add("D", prompt, 1, salt="alice")
+    eng.run()
+    assert (other.num_cached_tokens, unsalted.num_cached_tokens) == (0, 0)
+    assert same.num_cached_tokens == 8
+    assert len({r.output_token_ids[0] for r in eng.requests}) == 1
+    eng.check()
+
+
+def test_without_prefix_caching_nothing_is_published_or_hit() -> None:
+    eng = FakeEngine(num_blocks=32, block_size=4, budget=64, enable_prefix_caching=False)
+    eng.add("A", range(12), 2)
+    eng.run()
+    b = eng.add("B", range(12), 2)
+    eng.run()
+    assert b.num_cached_tokens == 0 and eng.pool.num_cached_free == 0
+    assert (eng.kv.num_query_tokens, eng.kv.num_hit_tokens) == (0, 0)
+    assert b.output_token_ids == reference(range(12), 2)
+    eng.check()
+
+
+def test_reset_prefix_cache_forgets_free_blocks() -> None:
+    eng = FakeEngine(num_blocks=32, block_size=4, budget=64)
+    eng.add("A", range(12), 2)
+    eng.run()
+    assert eng.pool.num_cached_free == 3
+    assert eng.kv.reset_prefix_cache() == 3
+    assert eng.pool.num_cached_free == 0
+    b = eng.add("B", range(12), 2)
+    eng.run()
+    assert b.num_cached_tokens == 0
+    eng.check()
+
+
+# --- preemption ---------------------------------------------------------------------------
+
+
+def test_preemption_requeues_the_latest_request_and_recomputes_it() -> None:
+    eng = FakeEngine(num_blocks=6, block_size=4, budget=64)
+    a = eng.add("A", range(10), 8)
+    b = eng.add("B", range(20, 30), 8)
+    for _ in range(3):
+        eng.step()
+        eng.check()
+    assert eng.scheduler.num_preemptions == 0
+    eng.step()  # A needs a fourth block; none is free: B, admitted last, gives its three back
+    eng.check()
+    assert eng.trace[-1] == [("A", 1)]
+    assert eng.scheduler.num_preemptions == 1 and b.num_preemptions == 1
+    assert b.status is RequestStatus.PREEMPTED and list(eng.scheduler.waiting) == [b]
+    assert len(b.output_token_ids) == 3  # output so far is kept and becomes prompt
+    eng.run()
+    # A's fifth block evicted B's cached block 1, so B recomputes from token 4 (13 - 4 = 9).
+    assert eng.trace[7:9] == [[("A", 1)], [("B", 9)]]
+    assert a.output_token_ids == reference(range(10), 8)
+    assert b.output_token_ids == reference(range(20, 30), 8)
+    assert b.num_cached_tokens == 0  # reported from first admission only
+    assert eng.pool.num_in_use == 0
+    eng.check()
+
+
+def test_request_preempts_itself_when_every_other_is_planned() -> None:
+    # D is last in line and needs a second block while A, B, C (already planned this step)
+    # hold the rest: it gives its own block back and waits.
+    eng = FakeEngine(num_blocks=6, block_size=4, budget=64)
+    eng.add("A", [1], 8)
+    eng.add("B", range(10, 18), 5)
+    eng.add("C", [30, 31], 3)
+    d = eng.add("D", range(40, 44), 5)
+    eng.step()
+    eng.step()
+    assert eng.trace[-1] == [("A", 1), ("B", 1), ("C", 1)]
+    assert d.status is RequestStatus.PREEMPTED and d.blocks == []
+    assert eng.scheduler.num_preemptions == 1
+    eng.check()
+
+
+def test_a_request_resumed_last_step_is_spared() -> None:
+    eng = FakeEngine(num_blocks=6, block_size=4, budget=64)
+    reqs = [
+        eng.add("A", [1], 8),
+        eng.add("B", range(10, 18), 5),
+        eng.add("C", [30, 31], 3),
+        eng.add("D", range(40, 44), 5),
+    ]
+    eng.run()
+    assert eng.trace == [
+        [("A", 1), ("B", 8), ("C", 2), ("D", 4)],  # 5 of 6 blocks in use
+        [("A", 1), ("B", 1), ("C", 1)],  # B takes the last block; D preempts itself
+        [("A", 1), ("B", 1), ("C", 1)],  # C finishes
+        [("A", 1), ("B", 1), ("D", 1)],  # D resumes on its cached block + C's freed one
+        # A needs a block. D is the newest but resumed last step, so B is preempted.
+        [("A", 1), ("D", 1)],
+        [("A", 1), ("D", 1)],
+        [("A", 1), ("D", 1)],  # D finishes
+        [("A", 1), ("B", 4)],  # B resumes: 8 cached of its 12 tokens; A finishes
+        [("B", 1)],
+    ]
+    assert [r.num_preemptions for r in reqs] == [0, 1, 0, 1]
+    assert eng.scheduler.num_preemptions == 2
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, r.max_tokens)
+    eng.check()
+
+
+# --- finishing and aborting ---------------------------------------------------------------
+
+
+def test_finish_frees_blocks_of_running_waiting_and_preempted_requests() -> None:
+    eng = FakeEngine(num_blocks=6, block_size=4, budget=64)
+    a = eng.add("A", range(10), 8)
+    b = eng.add("B", range(20, 30), 8)
+    for _ in range(4):
+        eng.step()
+    assert b.status is RequestStatus.PREEMPTED
+    late = eng.add("C", [7, 7], 4)
+    held = len(a.blocks)
+    assert eng.pool.num_in_use == held == 4
+    eng.scheduler.finish(b, "abort")
+    eng.scheduler.finish(late, "abort")
+    assert eng.pool.num_in_use == held and not eng.scheduler.waiting
+    eng.scheduler.finish(a, "abort")
+    assert eng.pool.num_in_use == 0 and not eng.scheduler.has_unfinished()
+    assert [r.finish_reason for r in (a, b, late)] == ["abort"] * 3
+    eng.scheduler.finish(a, "length")  # finishing twice changes nothing
+    assert a.finish_reason == "abort"
+    eng.check()
+
+
+def test_no_kv_cache_baseline_recomputes_every_token() -> None:
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8)
+    sched = Scheduler(config, kv=None)
+    a, b, c = (make_request(n, range(5), 4) for n in "abc")
+    for r in (a, b, c):
+        sched.add(r)
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 5), ("b", 5)]
+    assert all(s.samples for s in out.scheduled)
+    sched.after_step(out)
+    a.output_token_ids.append(0)
+    out = sched.schedule()
+    assert [s.num_new_tokens for s in out.scheduled] == [6, 5]  # from token 0 every step
+    sched.finish(a, "length")
+    assert [r.request_id for r in sched.running] == ["b"] and list(sched.waiting) == [c]
+
+
+# --- property: random arrivals, steps, aborts and cache resets ----------------------------
+
+PREFIXES = [[], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random operation sequences; after every one the block accounting must hold, every
+    scheduled step must respect the plan's contracts, and every finished request must have
+    produced exactly the uncached reference output."""
+
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4, 8]),
+        num_blocks=st.integers(3, 24),
+        budget=st.sampled_from([1, 2, 5, 8, 16, 64]),
+        max_num_seqs=st.sampled_from([1, 2, 3, 8]),
+        enable_prefix_caching=st.booleans(),
+    )
+    def setup(
+        self,
+        block_size: int,
+        num_blocks: int,
+        budget: int,
+        max_num_seqs: int,
+        enable_prefix_caching: bool,
+    ) -> None:
+        self.eng = FakeEngine(num_blocks, block_size, budget, max_num_seqs, enable_prefix_caching)
+        self.capacity = num_blocks * block_size
+        self.num_added = 0
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        tail=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
+        max_tokens=st.integers(1, 8),
+        salt=st.sampled_from([None, None, "s"]),
+    )
+    def add(self, prefix: list[int], tail: list[int], max_tokens: int, salt: str | None) -> None:
+        prompt = prefix + tail
+        # The engine refuses (CapacityError) what can never fit; shrink instead.
+        prompt = prompt[: self.capacity - 1]
+        max_tokens = min(max_tokens, self.capacity - len(prompt))
+        self.eng.add(str(self.num_added), prompt, max_tokens, salt)
+        self.num_added += 1
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps: int) -> None:
+        for _ in range(steps):
+            if not self.eng.scheduler.has_unfinished():
+                return
+            self.eng.step()
+            self.eng.check()
+
+    @precondition(lambda self: any(not r.finished for r in self.eng.requests))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        live = [r for r in self.eng.requests if not r.finished]
+        request = data.draw(st.sampled_from(live))
+        self.eng.scheduler.finish(request, "abort")
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.eng.kv.reset_prefix_cache()
+        assert self.eng.pool.num_cached_free == 0
+
+    @invariant()
+    def accounting_holds(self) -> None:
+        self.eng.check()
+
+    def teardown(self) -> None:
+        eng = self.eng
+        eng.run()
+        for r in eng.requests:
+            assert r.finished
+            if r.finish_reason == "length":
+                assert r.output_token_ids == reference(r.prompt_token_ids, r.max_tokens)
+            else:
+                assert r.finish_reason == "abort"
+                expected = reference(r.prompt_token_ids, r.max_tokens)
+                assert r.output_token_ids == expected[: len(r.output_token_ids)]
+        assert eng.pool.num_in_use == 0 and eng.pool.num_free == eng.pool.num_blocks
+        eng.check()
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=30, deadline=None, derandomize=True
+)
+TestSchedulerStateMachine = SchedulerMachine.TestCase
