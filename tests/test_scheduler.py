@@ -20,7 +20,7 @@ from kvstack.config import SchedulerConfig
 from kvstack.detokenizer import IncrementalDetokenizer, NullDecoder
 from kvstack.kv.block_hash import BlockHash
 from kvstack.kv.block_pool import BlockPool
-from kvstack.kv.kv_cache_manager import KVCacheManager
+from kvstack.kv.kv_cache_manager import KVCacheManager, PrefixHit
 from kvstack.request import Request, RequestStatus
 from kvstack.sampling_params import SamplingParams
 from kvstack.scheduler import Scheduler, SchedulerOutput
@@ -69,8 +69,11 @@ class FakeEngine:
         budget: int,
         max_num_seqs: int = 16,
         enable_prefix_caching: bool = True,
+        max_pinned_blocks: int | None = None,
     ) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, "fake-model")
+        self.kv = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching, "fake-model", max_pinned_blocks
+        )
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
         self.scheduler = Scheduler(config, self.kv)
         self.block_size = block_size
@@ -165,8 +168,11 @@ class FakeEngine:
         for r in self.requests:
             if r.finished:
                 assert r.blocks == [] and r not in sched.running and r not in sched.waiting
-        for b in pool.blocks:
-            assert b.ref_cnt == holders.get(b.block_id, 0), f"block {b.block_id} ref count"
+        # Beyond its running holders a block has at most one reference: a prefix pin.
+        pinned = [b.ref_cnt - holders.get(b.block_id, 0) for b in pool.blocks]
+        assert set(pinned) <= {0, 1}, "a block's ref count is not its holders (+1 if pinned)"
+        assert sum(pinned) == len(self.kv.pins)
+        self.kv.pins.check_integrity()
         # A published block holds exactly the tokens its hash was computed from.
         for r in self.requests:
             for i, block_hash in enumerate(r.block_hashes):
@@ -302,7 +308,7 @@ def test_without_prefix_caching_nothing_is_published_or_hit() -> None:
     b = eng.add("B", range(12), 2)
     eng.run()
     assert b.num_cached_tokens == 0 and eng.pool.num_cached_free == 0
-    assert (eng.kv.num_query_tokens, eng.kv.num_hit_tokens) == (0, 0)
+    assert (eng.kv.num_query_tokens, eng.kv.num_hit_tokens) == (24, 0)  # hit rate 0
     assert b.output_token_ids == reference(range(12), 2)
     eng.check()
 
@@ -381,8 +387,7 @@ def test_a_request_resumed_last_step_is_spared() -> None:
         [("A", 1), ("D", 1)],
         [("A", 1), ("D", 1)],
         [("A", 1), ("D", 1)],  # D finishes
-        [("A", 1), ("B", 4)],  # B resumes: 8 cached of its 12 tokens; A finishes
-        [("B", 1)],
+        [("A", 1), ("B", 4)],  # B resumes with 8 of its 12 tokens cached; both finish
     ]
     assert [r.num_preemptions for r in reqs] == [0, 1, 0, 1]
     assert eng.scheduler.num_preemptions == 2
@@ -432,48 +437,61 @@ def test_no_kv_cache_baseline_recomputes_every_token() -> None:
     assert [r.request_id for r in sched.running] == ["b"] and list(sched.waiting) == [c]
 
 
-# --- property: random arrivals, steps, aborts and cache resets ----------------------------
+# --- property: random arrivals, steps, aborts, cache resets and pins ---------------------
 
 PREFIXES = [[], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+# 1-3 prompts, most sharing a prefix so later arrivals hit blocks earlier ones computed.
+PROMPTS = st.lists(
+    st.builds(
+        lambda prefix, tail: prefix + tail,
+        st.sampled_from(PREFIXES),
+        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
+    ),
+    min_size=1,
+    max_size=3,
+)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random operation sequences; after every one the block accounting must hold, every
-    scheduled step must respect the plan's contracts, and every finished request must have
-    produced exactly the uncached reference output."""
+    """Random arrivals, steps, aborts, cache resets, prefix pins and pin expiry. After every
+    operation the block accounting must hold, every scheduled step must respect the plan's
+    contracts, and every finished request must have produced the uncached reference output."""
 
     @initialize(
         block_size=st.sampled_from([1, 2, 4, 8]),
-        num_blocks=st.integers(3, 24),
+        capacity=st.integers(12, 40),
         budget=st.sampled_from([1, 2, 5, 8, 16, 64]),
-        max_num_seqs=st.sampled_from([1, 2, 3, 8]),
+        max_num_seqs=st.sampled_from([1, 2, 4, 16]),
         enable_prefix_caching=st.booleans(),
+        prompts=PROMPTS,
     )
     def setup(
         self,
         block_size: int,
-        num_blocks: int,
+        capacity: int,
         budget: int,
         max_num_seqs: int,
         enable_prefix_caching: bool,
+        prompts: list[list[int]],
     ) -> None:
-        self.eng = FakeEngine(num_blocks, block_size, budget, max_num_seqs, enable_prefix_caching)
+        num_blocks = capacity // block_size  # a small pool (12..40 tokens) forces preemption
+        # Pins may hold the whole pool: they must still give way to every request.
+        self.eng = FakeEngine(
+            num_blocks, block_size, budget, max_num_seqs, enable_prefix_caching, num_blocks
+        )
         self.capacity = num_blocks * block_size
         self.num_added = 0
+        self.now = 0.0
+        self.add(prompts, max_tokens=8, salt=None)
 
-    @rule(
-        prefix=st.sampled_from(PREFIXES),
-        tail=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
-        max_tokens=st.integers(1, 8),
-        salt=st.sampled_from([None, None, "s"]),
-    )
-    def add(self, prefix: list[int], tail: list[int], max_tokens: int, salt: str | None) -> None:
-        prompt = prefix + tail
-        # The engine refuses (CapacityError) what can never fit; shrink instead.
-        prompt = prompt[: self.capacity - 1]
-        max_tokens = min(max_tokens, self.capacity - len(prompt))
-        self.eng.add(str(self.num_added), prompt, max_tokens, salt)
-        self.num_added += 1
+    @rule(prompts=PROMPTS, max_tokens=st.integers(1, 10), salt=st.sampled_from([None, "s"]))
+    def add(self, prompts: list[list[int]], max_tokens: int, salt: str | None) -> None:
+        for prompt in prompts:
+            # The engine refuses (CapacityError) what can never fit; shrink instead.
+            prompt = prompt[: self.capacity - 1]
+            num_out = min(max_tokens, self.capacity - len(prompt))
+            self.eng.add(str(self.num_added), prompt, num_out, salt)
+            self.num_added += 1
 
     @rule(steps=st.integers(1, 4))
     def step(self, steps: int) -> None:
@@ -495,6 +513,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.eng.kv.reset_prefix_cache()
         assert self.eng.pool.num_cached_free == 0
 
+    @rule(data=st.data(), ttl=st.integers(1, 6))
+    def pin(self, data: st.DataObject, ttl: int) -> None:
+        # Pin some request's prompt: pins hold cached blocks by deadline, and must yield to
+        # requests short of blocks rather than stall or preempt them.
+        request = data.draw(st.sampled_from(self.eng.requests))
+        prompt = request.prompt_token_ids
+        new, refreshed = self.eng.kv.pin_prefix(prompt, request.cache_salt, self.now + ttl)
+        assert new % self.eng.block_size == refreshed % self.eng.block_size == 0
+        assert new + refreshed <= len(prompt)
+
+    @rule(dt=st.integers(1, 3))
+    def tick(self, dt: int) -> None:
+        self.now += dt
+        self.eng.kv.pins.expire(self.now)
+
     @invariant()
     def accounting_holds(self) -> None:
         self.eng.check()
@@ -502,6 +535,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         eng = self.eng
         eng.run()
+        assert eng.pool.num_in_use == len(eng.kv.pins)
+        eng.kv.pins.expire(float("inf"))
         for r in eng.requests:
             assert r.finished
             if r.finish_reason == "length":
@@ -518,3 +553,126 @@ SchedulerMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=30, deadline=None, derandomize=True
 )
 TestSchedulerStateMachine = SchedulerMachine.TestCase
+
+
+class KVCacheManagerMachine(RuleBasedStateMachine):
+    """The manager alone: admit (match_prefix + allocate), compute and publish, append output
+    tokens, free, reset, pin and expire. A refused allocate must change nothing (pins
+    included); a prefix hit must hand back blocks holding exactly the request's tokens."""
+
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(2, 16),
+        enable_prefix_caching=st.booleans(),
+    )
+    def setup(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+        self.kv = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching, "fake-model", num_blocks
+        )
+        self.bs = block_size
+        self.slots: dict[int, int] = {}
+        self.held: list[Request] = []  # requests holding blocks (admitted, not freed)
+        self.prompts: list[list[int]] = []
+        self.num_added = 0
+        self.now = 0.0
+
+    def _snapshot(self) -> tuple[object, ...]:
+        pool = self.kv.pool
+        return (
+            pool.num_free, pool.num_cached_free, [b.ref_cnt for b in pool.blocks],
+            [b.block_hash for b in pool.blocks], self.kv.num_query_tokens, len(self.kv.pins),
+        )
+
+    def _allocate(self, request: Request, num_new: int, hit: PrefixHit | None = None) -> bool:
+        before = self._snapshot()
+        blocks, computed = list(request.blocks), request.num_computed_tokens
+        if not self.kv.allocate(request, num_new, hit):
+            assert self._snapshot() == before, "a refused allocate changed the pool"
+            assert request.blocks == blocks and request.num_computed_tokens == computed
+            return False
+        # Compute: write the new tokens into their slots, then publish full blocks.
+        tokens = request.token_ids()
+        start = request.num_computed_tokens
+        for pos in range(start, start + num_new):
+            block = request.blocks[pos // self.bs]
+            assert block.block_hash is None and block.ref_cnt == 1
+            self.slots[block.block_id * self.bs + pos % self.bs] = tokens[pos]
+        request.num_computed_tokens += num_new
+        self.kv.cache_computed_blocks(request)
+        return True
+
+    @rule(prompt=PROMPTS.map(lambda ps: ps[0]), salt=st.sampled_from([None, "s"]),
+          data=st.data())
+    def admit(self, prompt: list[int], salt: str | None, data: st.DataObject) -> None:
+        request = make_request(str(self.num_added), prompt, 4, salt)
+        self.num_added += 1
+        self.prompts.append(prompt)
+        hit = self.kv.match_prefix(request)
+        assert hit.num_tokens == len(hit.blocks) * self.bs < request.num_tokens
+        for i, block in enumerate(hit.blocks):
+            assert block.block_hash == request.block_hashes[i]
+            content = [self.slots[block.block_id * self.bs + j] for j in range(self.bs)]
+            assert content == prompt[i * self.bs : (i + 1) * self.bs]
+        num_new = data.draw(st.integers(1, request.num_tokens - hit.num_tokens))
+        if self._allocate(request, num_new, hit):
+            self.kv.record_query(request, hit)
+            self.held.append(request)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), num_out=st.integers(0, 3))
+    def extend(self, data: st.DataObject, num_out: int) -> None:
+        request = data.draw(st.sampled_from(self.held))
+        request.output_token_ids.extend(range(num_out))
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining:
+            self._allocate(request, data.draw(st.integers(1, remaining)))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        request = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
+        self.kv.free(request)
+        assert request.blocks == [] and request.num_computed_tokens == 0
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+
+    @precondition(lambda self: self.prompts)
+    @rule(data=st.data(), ttl=st.integers(1, 6))
+    def pin(self, data: st.DataObject, ttl: int) -> None:
+        self.kv.pin_prefix(data.draw(st.sampled_from(self.prompts)), None, self.now + ttl)
+
+    @rule(dt=st.integers(1, 3))
+    def tick(self, dt: int) -> None:
+        self.now += dt
+        self.kv.pins.expire(self.now)
+
+    @invariant()
+    def accounting_holds(self) -> None:
+        pool = self.kv.pool
+        pool.check_integrity()
+        holders: dict[int, int] = {}
+        for r in self.held:
+            assert len(r.blocks) == -(-r.num_computed_tokens // self.bs)
+            for b in r.blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        pinned = [b.ref_cnt - holders.get(b.block_id, 0) for b in pool.blocks]
+        assert set(pinned) <= {0, 1} and sum(pinned) == len(self.kv.pins)
+        self.kv.pins.check_integrity()
+        if not self.kv.enable_prefix_caching:
+            assert all(b.block_hash is None for b in pool.blocks)
+        assert self.kv.num_hit_tokens <= self.kv.num_query_tokens
+
+    def teardown(self) -> None:
+        for request in self.held:
+            self.kv.free(request)
+        self.kv.pins.expire(float("inf"))
+        self.kv.pool.check_integrity()
+        assert self.kv.pool.num_in_use == 0
+
+
+KVCacheManagerMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=30, deadline=None, derandomize=True
+)
+TestKVCacheManagerStateMachine = KVCacheManagerMachine.TestCase

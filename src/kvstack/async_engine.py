@@ -32,11 +32,51 @@ class QueueFullError(KvstackError):
     error_type = "rate_limit_error"
 
 
+class FairLock:
+    """A first-come, first-served lock.
+
+    The engine thread takes the lock again right after every step; with a plain Lock a caller
+    woken by the release rarely gets there first, so `generate`, `abort` or `stats` could
+    wait for as long as the engine stays busy. Tickets hand the lock over in arrival order.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._next_ticket = 0
+        self._serving = 0
+        self._abandoned: set[int] = set()  # tickets whose holder was interrupted while waiting
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            try:
+                self._cond.wait_for(lambda: self._serving == ticket)
+            except BaseException:  # e.g. Ctrl-C: give the turn up, or later callers hang
+                if self._serving == ticket:
+                    self._serving += 1
+                else:
+                    self._abandoned.add(ticket)
+                self._hand_over()
+                raise
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._serving += 1
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        while self._serving in self._abandoned:
+            self._abandoned.remove(self._serving)
+            self._serving += 1
+        self._cond.notify_all()
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self._lock = threading.Lock()  # guards every touch of `engine`
+        self._lock = FairLock()  # guards every touch of `engine`
         self._wake = threading.Event()
         self._stop = False
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
@@ -139,6 +179,11 @@ class AsyncLLM:
     ) -> tuple[int, int]:
         with self._lock:
             return self.engine.pin_prefix(token_ids, cache_salt, ttl_s)
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine thread has failed; every request then gets EngineDeadError."""
+        return self._error is not None
 
     def stats(self) -> EngineStats:
         with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import operator
 import time
 from collections.abc import Sequence
 
@@ -125,10 +126,12 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("prompt_token_ids is empty; give at least one token")
         vocab = self.model_config.vocab_size
+        token_ids = [_as_index(t) for t in token_ids]
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(
-                f"prompt token id {bad[0]!r} is not in the vocabulary [0, {vocab})"
+                f"prompt token id {bad[0]!r} is not in the vocabulary [0, {vocab}); "
+                "give integer ids from this model's tokenizer"
             )
         return token_ids
 
@@ -296,3 +299,11 @@ class LLMEngine:
         if self.kv_manager is not None:
             self.kv_manager.pool.check_integrity()
             self.kv_manager.pins.check_integrity()
+
+
+def _as_index(value: object) -> object:
+    """numpy and torch integers as plain ints (they are valid ids); anything else unchanged."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value

@@ -153,7 +153,10 @@ def _prompt_input(prompt: PromptType) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
+        try:
+            return list(prompt["prompt_token_ids"])
+        except TypeError:
+            raise InvalidRequestError("prompt_token_ids must be a list of token ids") from None
     raise InvalidRequestError("a prompt is a string or a dict with 'prompt_token_ids'")
 
 

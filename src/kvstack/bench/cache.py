@@ -73,8 +73,10 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         f"({fmt_x(ratios['kv_cache_speedup_transformers'])})"
         f" | ours/theirs {fmt_x(ratios['ours_over_transformers_decode_kv_cache'])} cached, "
         f"{fmt_x(ratios['ours_over_transformers_decode_no_kv_cache'])} uncached"
-        f" | {new_tokens} tokens in {fmt(ours['kv_cache']['total_s'])} s vs "
-        f"{fmt(ours['no_kv_cache']['total_s'])} s without cache"
+        f" | {new_tokens} tokens in {fmt(ours['kv_cache']['total_s'], 2)} s, "
+        f"{fmt(ours['no_kv_cache']['total_s'], 2)} s without cache "
+        f"(transformers {fmt(peer['kv_cache']['total_s'], 2)} s, "
+        f"{fmt(peer['no_kv_cache']['total_s'], 2)} s)"
         f" | same tokens as transformers: {agreement['ours_vs_transformers']}/{new_tokens}"
     )
     return CaseResult(
@@ -99,7 +101,8 @@ def _ours(subject: Subject, options: BenchOptions, prompt: list[int], new_tokens
     label = "ours, KV cache" if use_kv_cache else "ours, no KV cache"
     final: RequestOutput | None = None
     with progress(options, new_tokens, label) as bar:
-        for final in llm.stream({"prompt_token_ids": prompt}, _params(new_tokens)):
+        for out in llm.stream({"prompt_token_ids": prompt}, _params(new_tokens)):
+            final = out
             bar.update(1)
     assert final is not None and final.metrics.first_token_time is not None
     m = final.metrics

@@ -134,18 +134,29 @@ def topic_texts() -> list[str]:
     return [topics[name] for name in sorted(topics)]
 
 
-def distinct_prompts(subject: Subject, num: int, length: int) -> list[list[int]]:
-    """`num` prompts of about `length` tokens (length-4 .. length+4), each from its own topic,
-    so no two share a first block and the prefix cache finds nothing to reuse among them."""
-    texts = topic_texts()
-    prompts = []
-    for i in range(num):
-        text = texts[i % len(texts)]
-        ids = subject.encode(text)
-        # Past the topics, start later in the text so prompts stay distinct.
-        start = (i // len(texts)) * length
-        n = max(1, length + i % 9 - 4)
-        prompts.append(ids[start:start + n])
+def distinct_prompts(
+    subject: Subject, num: int, length: int, block_size: int = 16
+) -> list[list[int]]:
+    """`num` prompts of about `length` tokens (length-4 .. length+4), no two with the same first
+    block, so the prefix cache finds nothing to reuse among them. Each comes from its own topic;
+    past the last topic, later passes start `length` tokens further into the texts."""
+    texts = [subject.encode(t) for t in topic_texts()]
+    prompts: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    offset = 0
+    while len(prompts) < num:
+        if offset >= max(len(ids) for ids in texts):
+            raise InvalidRequestError(f"the prompt texts hold fewer than {num} distinct prompts")
+        for ids in texts:
+            n = max(1, length + len(prompts) % 9 - 4)
+            prompt = ids[offset:offset + n]
+            if len(prompt) < n or tuple(prompt[:block_size]) in seen:
+                continue
+            seen.add(tuple(prompt[:block_size]))
+            prompts.append(prompt)
+            if len(prompts) == num:
+                break
+        offset += length
     return prompts
 
 

@@ -21,9 +21,16 @@ from transformers import (
     StoppingCriteria,
     StoppingCriteriaList,
 )
+from transformers.generation import utils as generation_utils
 
 from kvstack.errors import ModelLoadError
 from kvstack.weights import Checkpoint
+
+# transformers 5.x renamed generate()'s `past_key_values` to `cache`; older releases know only
+# the former.
+_CACHE_KWARG = (
+    "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+)
 
 
 def transformers_model(ckpt: Checkpoint) -> Any:
@@ -106,7 +113,7 @@ class TransformersPeer:
         start = time.perf_counter()
         kwargs: dict[str, Any] = {}
         if past_key_values is not None:
-            kwargs["past_key_values"] = copy.deepcopy(past_key_values)
+            kwargs[_CACHE_KWARG] = copy.deepcopy(past_key_values)
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids,
@@ -122,7 +129,8 @@ class TransformersPeer:
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.model(torch.tensor([list(prompt)]), use_cache=True)
-        return out.past_key_values, time.perf_counter() - start
+        cache = out["cache"] if "cache" in out else out["past_key_values"]
+        return cache, time.perf_counter() - start
 
 
 class _Clock(StoppingCriteria):

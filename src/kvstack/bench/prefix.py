@@ -183,5 +183,6 @@ def _plot(options: BenchOptions, rows: list[dict[str, Any]], doc_len: int) -> st
                color=f"C{k}")
     ax.set_xticks(range(len(rows)), [f"Q{i + 1}" for i in range(len(rows))])
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(lambda value, _: f"{value:g}")
     ax.legend(fontsize="small")
     return save_figure(fig, options, "prefix_ttft.png")

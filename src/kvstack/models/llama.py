@@ -1,7 +1,8 @@
 """Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (QKV bias).
 
-Weights are kept as plain tensors, fused where it saves ops (QKV, gate/up) and stored
-transposed ([in, out]) so that `x @ w` streams them row-major for single-token decode.
+Weights are kept as plain tensors, fused where it saves ops (QKV, gate/up), in the reference's
+[out, in] layout: `F.linear` on it rounds like transformers does (an [in, out] copy streams
+faster for one row but adds 2-3x the rounding, past the 1e-4 logit tolerance we hold).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ class _Layer:
     def __init__(self) -> None:
         self.input_norm: torch.Tensor
         self.post_norm: torch.Tensor
-        self.w_qkv: torch.Tensor  # [hidden, (H + 2 H_kv) D]
+        self.w_qkv: torch.Tensor  # [(H + 2 H_kv) D, hidden]
         self.b_qkv: torch.Tensor | None
-        self.w_o: torch.Tensor  # [H D, hidden]
-        self.w_gate_up: torch.Tensor  # [hidden, 2 I]
-        self.w_down: torch.Tensor  # [I, hidden]
+        self.w_o: torch.Tensor  # [hidden, H D]
+        self.w_gate_up: torch.Tensor  # [2 I, hidden]
+        self.w_down: torch.Tensor  # [hidden, I]
 
 
 @register("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -48,10 +49,10 @@ class LlamaForCausalLM:
         self.layers = [_Layer() for _ in range(config.num_layers)]
         self.embed: torch.Tensor
         self.final_norm: torch.Tensor
-        self.lm_head: torch.Tensor  # [hidden, vocab]
+        self.lm_head: torch.Tensor  # [vocab, hidden]
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take HF-named tensors ([out, in] layout), fuse and transpose them."""
+        """Take HF-named tensors ([out, in] layout) and fuse them."""
         c = self.config
 
         def get(name: str) -> torch.Tensor:
@@ -62,23 +63,23 @@ class LlamaForCausalLM:
         self.embed = get("model.embed_tokens.weight").contiguous()
         self.final_norm = get("model.norm.weight")
         head = self.embed if c.tie_word_embeddings else get("lm_head.weight")
-        self.lm_head = head.t().contiguous()
+        self.lm_head = head
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             layer.input_norm = get(p + "input_layernorm.weight")
             layer.post_norm = get(p + "post_attention_layernorm.weight")
             qkv = [get(a + f"{n}_proj.weight") for n in "qkv"]
-            layer.w_qkv = torch.cat(qkv, dim=0).t().contiguous()
+            layer.w_qkv = torch.cat(qkv, dim=0)
             layer.b_qkv = (
                 torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"])
                 if c.attention_bias
                 else None
             )
-            layer.w_o = get(a + "o_proj.weight").t().contiguous()
+            layer.w_o = get(a + "o_proj.weight")
             gate_up = [get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-            layer.w_gate_up = torch.cat(gate_up, dim=0).t().contiguous()
-            layer.w_down = get(p + "mlp.down_proj.weight").t().contiguous()
+            layer.w_gate_up = torch.cat(gate_up, dim=0)
+            layer.w_down = get(p + "mlp.down_proj.weight")
 
     @property
     def num_weight_bytes(self) -> int:
@@ -102,24 +103,23 @@ class LlamaForCausalLM:
         num_q, num_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         eps = c.rms_norm_eps
         h = self.embed[input_ids]
+        cos, sin = self.rope.table(positions, self.dtype)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, eps)
-            qkv = x @ layer.w_qkv
-            if layer.b_qkv is not None:
-                qkv = qkv + layer.b_qkv
+            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)
             q, k, v = qkv.split([num_q, num_kv, num_kv], dim=-1)
             q = q.view(-1, c.num_heads, c.head_dim)
             k = k.view(-1, c.num_kv_heads, c.head_dim)
             v = v.view(-1, c.num_kv_heads, c.head_dim)
-            q, k = self.rope(q, k, positions)
+            q, k = self.rope(q, k, cos, sin)
             attn = paged_attention(i, q, k, v, meta, kv)
-            h = h + attn.view(-1, num_q) @ layer.w_o
+            h = h + F.linear(attn.view(-1, num_q), layer.w_o)
             x = rms_norm(h, layer.post_norm, eps)
-            gate, up = (x @ layer.w_gate_up).chunk(2, dim=-1)
-            h = h + (F.silu(gate) * up) @ layer.w_down
+            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.w_down)
         return rms_norm(h, self.final_norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the positions that sample) -> float32 logits [N, vocab]."""
-        return (hidden @ self.lm_head).float()
+        return F.linear(hidden, self.lm_head).float()

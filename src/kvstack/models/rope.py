@@ -52,12 +52,18 @@ class RotaryEmbedding:
         self.sin = emb.sin()
         self.half = head_dim // 2
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    def table(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, H_kv, D], positions: [T] -> rotated (q, k) in q's dtype."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        """cos, sin for these positions, [T, 1, D]: looked up once per step, used by all layers."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, H_kv, D], cos/sin from `table` -> rotated (q, k)."""
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
     def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""`kvstack bench CASE`: run benchmark cases, one summary line each, JSON and plots in --out."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from typing import Any
+
+from kvstack.cli import DEFAULT_MODEL, positive_int
+
+# name -> help; `all` runs them in this order. Each lives in kvstack.bench.<name> as
+# `run(subject, options) -> CaseResult`, imported only when run (transformers loads slowly).
+CASES = {
+    "cache": "decode tok/s and per-token latency with and without the KV cache",
+    "throughput": "offline output tok/s vs concurrency (1-64), against batched generate",
+    "prefix": "TTFT with a ~2,000-token shared document cold vs cached",
+    "pressure": "throughput in a third of the KV memory needed: preemptions, correctness",
+}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmarks against transformers, with JSON results and plots",
+        description="Run a benchmark case on our engine and on Hugging Face transformers with "
+        "the same weights, in the same run. Each case prints one summary line to stdout "
+        "(progress goes to stderr) and writes <out>/<case>.json plus PNG plots.",
+        epilog="example: kvstack bench cache --threads 2   (kvstack bench all --quick for a "
+        "smoke run in seconds)",
+    )
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("--model", default=DEFAULT_MODEL,
+                        help="the embedded model's name, a .gguf file or a Hugging Face folder")
+    shared.add_argument("--threads", type=positive_int, default=2, metavar="N",
+                        help="torch CPU threads, for our engine and for transformers alike")
+    shared.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
+                        help="folder for <case>.json and the plots")
+    shared.add_argument("--quick", action="store_true",
+                        help="tiny sizes (few tokens, low concurrency): a smoke run")
+    shared.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    peer_batch = argparse.ArgumentParser(add_help=False)
+    peer_batch.add_argument("--peer-max-batch", type=positive_int, default=None, metavar="N",
+                            help="throughput: run transformers only up to this concurrency "
+                            "(it is the slow side at large batches); default: all")
+    cases = parser.add_subparsers(title="cases", metavar="CASE", dest="case", required=True)
+    for name, text in CASES.items():
+        parents = [shared, peer_batch] if name == "throughput" else [shared]
+        cases.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
+                         parents=parents)
+    cases.add_parser("all", help="every case in order: " + ", ".join(CASES),
+                     description="Run " + ", ".join(CASES) + " in order, loading the model once.",
+                     parents=[shared, peer_batch])
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstack.bench.common import BenchOptions, Subject, check_dependencies, report
+
+    check_dependencies()
+    options = BenchOptions(
+        model=args.model,
+        threads=args.threads,
+        out=args.out,
+        quick=args.quick,
+        peer_max_batch=getattr(args, "peer_max_batch", None),
+        show_progress=not args.no_progress,
+    )
+    names = list(CASES) if args.case == "all" else [args.case]
+    subject = Subject(options)
+    for name in names:
+        case = importlib.import_module(f"kvstack.bench.{name}")
+        report(case.run(subject, options), options)
+    return 0

@@ -1,0 +1,87 @@
+"""Prometheus metrics, in a registry of the app's own (two apps in one process never clash).
+
+Engine gauges and counters are read from `AsyncLLM.stats()` at scrape time; latency
+histograms are observed as requests finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstack.async_engine import AsyncLLM
+from kvstack.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []  # collected lazily: registering must not touch the engine
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats()
+        gauges = {
+            "requests_running": ("requests being computed", s.num_requests_running),
+            "requests_waiting": ("requests queued for admission", s.num_requests_waiting),
+            "kv_cache_usage_ratio": ("share of KV blocks in use (pins included)",
+                                     s.kv_cache_usage),
+            "kv_blocks_total": ("KV blocks in the pool", s.num_blocks_total),
+            "kv_blocks_used": ("KV blocks in use by requests or pins", s.num_blocks_used),
+            "kv_blocks_pinned": ("KV blocks held by prompt-cache pins", s.num_blocks_pinned),
+            "kv_blocks_cached": ("free KV blocks still holding a reusable prefix",
+                                 s.num_blocks_cached),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"kvstack_{name}", doc, value=value)
+        counters = {
+            "prefix_cache_queries": ("prompt tokens looked up in the prefix cache",
+                                     s.prefix_cache_query_tokens),
+            "prefix_cache_hits": ("prompt tokens found in the prefix cache",
+                                  s.prefix_cache_hit_tokens),
+            "preemptions": ("requests preempted for lack of KV blocks", s.num_preemptions),
+            "prompt_tokens": ("prompt tokens processed", s.num_prompt_tokens),
+            "generation_tokens": ("tokens generated", s.num_generation_tokens),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"kvstack_{name}", doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self.ttft = Histogram("kvstack_time_to_first_token_seconds",
+                              "time from arrival to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("kvstack_time_per_output_token_seconds",
+                              "mean time per output token after the first, per request",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kvstack_e2e_request_latency_seconds",
+                             "time from arrival to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("kvstack_requests_finished", "requests finished, by reason",
+                                ["finish_reason"], registry=self.registry)
+
+    def observe(self, out: RequestOutput) -> None:
+        """Record a finished request and its timings."""
+        m = out.metrics
+        self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        if m.last_token_time is not None:
+            self.e2e.observe(m.last_token_time - m.arrival_time)
+
+    def observe_abort(self) -> None:
+        self.finished.labels("abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,116 @@
+"""Request bodies of the OpenAI and Anthropic APIs, plus vLLM's extra sampling fields.
+
+Validation is strict (no "5" -> 5, no true -> 1); unknown fields are ignored, as vLLM does.
+Value ranges are left to `SamplingParams`, so every entry point refuses the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ExtraSampling(_Body):
+    """vLLM-style fields both APIs accept, and the prefix-cache salt."""
+
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+
+
+# -- OpenAI ----------------------------------------------------------------------------------
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class OpenAISampling(ExtraSampling):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+
+
+# -- Anthropic -------------------------------------------------------------------------------
+
+
+class CacheControl(_Body):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
+class ContentBlock(_Body):
+    """Any content block; only text is supported, which the translation checks."""
+
+    type: str
+    text: str | None = None
+    cache_control: CacheControl | None = None
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(_Body):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    cache_control: CacheControl | None = None
+
+
+class MessagesRequest(ExtraSampling):
+    model: str
+    max_tokens: int
+    messages: list[AnthropicMessage]
+    system: str | list[ContentBlock] | None = None
+    tools: list[Tool] | None = None
+    stop_sequences: list[str] | None = None
+    cache_control: CacheControl | None = None  # a breakpoint on the last block
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    metadata: dict[str, Any] | None = None
