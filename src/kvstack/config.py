@@ -121,10 +121,34 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Share of the pool that pinned prefixes (prompt caching) may hold; past it the oldest lapse.
     max_pinned_fraction: float = 0.5
+    # Tiers below the memory pool (kv/tiers): a directory of block files under a size cap,
+    # and/or a Redis server shared by engines; blocks live there `kv_redis_ttl_s` seconds.
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 10 * 1024**3
+    kv_redis_url: str | None = None
+    kv_redis_ttl_s: int = 86400
+    # Bytes of completed blocks waiting for the tier writer; past it new blocks are dropped.
+    kv_tier_queue_bytes: int = 256 * 1024**2
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("kv_disk_bytes", "kv_redis_ttl_s", "kv_tier_queue_bytes"):
+            if getattr(self, name) <= 0:
+                raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_redis_url and not self.kv_redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise InvalidRequestError(
+                f"kv_redis_url {self.kv_redis_url!r} is not a Redis URL; use redis://host:port/db"
+            )
+        if (self.kv_disk_dir or self.kv_redis_url) and not (
+            self.use_kv_cache and self.enable_prefix_caching
+        ):
+            raise InvalidRequestError(
+                "KV tiers (kv_disk_dir, kv_redis_url) keep prefix-cache blocks; "
+                "turn the KV cache and prefix caching on, or drop the tier options"
+            )
         if not 0 <= self.max_pinned_fraction <= 1:
             raise InvalidRequestError(
                 f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"

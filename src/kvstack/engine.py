@@ -17,6 +17,9 @@ from kvstack.errors import CapacityError, InvalidRequestError, PromptTooLongErro
 from kvstack.estimate import KVShape
 from kvstack.kv.kv_cache_manager import KVCacheManager
 from kvstack.kv.storage import KVCacheStorage
+from kvstack.kv.tiers.base import TierStats
+from kvstack.kv.tiers.chain import TierChain, build_tiers
+from kvstack.kv.tiers.codec import BlockFormat
 from kvstack.models import model_class
 from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.request import Request
@@ -49,6 +52,7 @@ class LLMEngine:
         cache = config.cache
         self.kv_storage: KVCacheStorage | None = None
         self.kv_manager: KVCacheManager | None = None
+        self.kv_tiers: TierChain | None = None
         if cache.use_kv_cache:
             shape = KVShape.of(self.model_config, config.dtype)
             num_blocks = shape.num_blocks_for_budget(cache.kv_cache_memory, cache.block_size)
@@ -59,9 +63,13 @@ class LLMEngine:
                 )
             self.kv_storage = KVCacheStorage(self.model_config, num_blocks, cache.block_size,
                                              self.dtype)
+            block_format = BlockFormat(self.fingerprint, config.dtype, shape.num_layers,
+                                       shape.num_kv_heads, shape.head_dim, cache.block_size)
+            self.kv_tiers = build_tiers(cache, block_format, self.kv_storage)
             self.kv_manager = KVCacheManager(num_blocks, cache.block_size,
                                              cache.enable_prefix_caching, self.fingerprint,
-                                             int(num_blocks * cache.max_pinned_fraction))
+                                             int(num_blocks * cache.max_pinned_fraction),
+                                             self.kv_tiers)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = ModelRunner(self.model, self.kv_storage, Sampler())
         self.requests: dict[str, Request] = {}
@@ -275,6 +283,35 @@ class LLMEngine:
         self.kv_manager.pins.expire(now)
         return self.kv_manager.pin_prefix(list(token_ids), cache_salt, now + ttl_s)
 
+    def warm(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Make sure the tiers hold this prefix's full blocks, which a finished prefill left in
+        the memory cache; returns the tokens the tiers now hold (waits for the writes)."""
+        if self.kv_tiers is None or self.kv_manager is None:
+            raise InvalidRequestError("warming needs a KV tier; give kv_disk_dir or kv_redis_url")
+        hashes = self.kv_manager.prefix_hashes(token_ids, cache_salt)
+        self.kv_tiers.flush()
+        held = self.kv_tiers.lookup(hashes)
+        if held < len(hashes):
+            # Dropped from a full write queue, or lost by a tier since: write them again.
+            self.kv_tiers.forget(hashes[held:])
+            self.kv_tiers.offload(self.kv_manager.cached_run(hashes)[held:], wait=True)
+            self.kv_tiers.flush()
+            held = self.kv_tiers.lookup(hashes)
+        return held * self.kv_manager.block_size
+
+    def flush_tiers(self, timeout: float | None = None) -> bool:
+        """Wait for blocks queued for the tiers to be written; False on timeout."""
+        return self.kv_tiers.flush(timeout) if self.kv_tiers else True
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Counters of each tier below the memory pool, by tier name (disk, redis)."""
+        return {s.name: s for s in self.kv_tiers.stats()} if self.kv_tiers else {}
+
+    def close(self) -> None:
+        """Wait for pending tier writes and release the tiers (idempotent)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
+
     def stats(self) -> EngineStats:
         kv = self.kv_manager
         pool = kv.pool if kv else None
@@ -293,6 +330,8 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_blocks_pinned=len(kv.pins) if kv else 0,
+            tier_hit_tokens=kv.num_restored_tokens if kv else 0,
+            tiers=self.kv_tiers.stats() if self.kv_tiers else (),
         )
 
     def check_integrity(self) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
+from types import TracebackType
 from typing import Any
 
 from kvstack.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
 from kvstack.engine import LLMEngine
 from kvstack.errors import InvalidRequestError
+from kvstack.kv.tiers.base import TierStats
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 from kvstack.stats import EngineStats
@@ -17,7 +20,12 @@ Message = dict[str, str]
 
 
 class LLM:
-    """Generate from a batch of prompts: `LLM(model="smollm2-135m").generate(prompts, params)`."""
+    """Generate from a batch of prompts: `LLM(model="smollm2-135m").generate(prompts, params)`.
+
+    With `kv_disk_dir` and/or `kv_redis_url`, prefix blocks are written through to a disk
+    directory (capped at `kv_disk_size`) and a Redis server, and reused from there by later
+    processes. `close()` (or leaving a `with` block) waits for pending writes.
+    """
 
     def __init__(
         self,
@@ -32,6 +40,10 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         num_threads: int | None = None,
         skip_tokenizer_init: bool = False,
+        kv_disk_dir: str | os.PathLike[str] | None = None,
+        kv_disk_size: int | str = "10GiB",
+        kv_redis_url: str | None = None,
+        kv_redis_ttl_s: int = 86400,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -42,6 +54,10 @@ class LLM:
                 use_kv_cache=use_kv_cache,
                 enable_prefix_caching=enable_prefix_caching,
                 max_pinned_fraction=max_pinned_fraction,
+                kv_disk_dir=os.fspath(kv_disk_dir) if kv_disk_dir is not None else None,
+                kv_disk_bytes=parse_size(kv_disk_size),
+                kv_redis_url=kv_redis_url,
+                kv_redis_ttl_s=kv_redis_ttl_s,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
@@ -147,6 +163,28 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         """Drop every cached block not in use (e.g. after reloading weights)."""
         return self.engine.reset_prefix_cache()
+
+    def warm(self, prompt: PromptType, cache_salt: str | None = None) -> int:
+        """Precompute a prompt's KV into the tiers (a named prompt cache, e.g. a document that
+        later requests start with); returns how many tokens the tiers hold for it."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        out = self.generate(prompt, params, cache_salt=cache_salt)[0]
+        return self.engine.warm(out.prompt_token_ids, cache_salt)
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Counters of the disk and Redis tiers: hits, misses, stores, faults by kind, bytes."""
+        return self.engine.tier_stats()
+
+    def close(self) -> None:
+        """Wait for pending tier writes and release the tiers; also runs at interpreter exit."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
 
 def _prompt_input(prompt: PromptType) -> str | list[int]:

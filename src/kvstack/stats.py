@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstack.kv.tiers.base import TierStats
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -21,6 +23,8 @@ class EngineStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_blocks_pinned: int = 0  # held by prompt-cache pins (counted in num_blocks_used)
+    tier_hit_tokens: int = 0  # of prefix_cache_hit_tokens, loaded from disk or Redis tiers
+    tiers: tuple[TierStats, ...] = ()  # per tier below the memory pool: hits, faults, bytes
 
     @property
     def kv_cache_usage(self) -> float:

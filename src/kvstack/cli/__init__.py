@@ -55,6 +55,7 @@ def add_model_args(parser: argparse.ArgumentParser, cache_switches: bool = True)
                        help="tokens per KV block (a power of two)")
     group.add_argument("--threads", type=positive_int, default=None, metavar="N",
                        help="torch CPU threads (default: torch's choice)")
+    add_tier_args(parser)
     if not cache_switches:
         parser.set_defaults(no_kv_cache=False, no_prefix_caching=False)
         return
@@ -62,6 +63,29 @@ def add_model_args(parser: argparse.ArgumentParser, cache_switches: bool = True)
                        help="recompute every token's K/V at every step (the slow baseline)")
     group.add_argument("--no-prefix-caching", action="store_true",
                        help="do not reuse KV blocks across requests")
+
+
+def add_tier_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the KV tiers below the memory pool (disk directory, Redis server)."""
+    group = parser.add_argument_group("KV tiers (shared across restarts and processes)")
+    group.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                       help="write KV blocks through to this directory and reuse them from it")
+    group.add_argument("--kv-disk-size", type=byte_size, default="10GiB", metavar="SIZE",
+                       help="most bytes of block files in --kv-disk-dir (oldest evicted first)")
+    group.add_argument("--kv-redis-url", default=None, metavar="URL",
+                       help="share KV blocks through this Redis server, e.g. redis://host:6379/0")
+    group.add_argument("--kv-redis-ttl", type=positive_int, default=86400, metavar="SECONDS",
+                       help="how long a block stays in Redis after it was last stored or loaded")
+
+
+def tier_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The `LLM` keyword arguments of the tier flags."""
+    return {
+        "kv_disk_dir": args.kv_disk_dir,
+        "kv_disk_size": args.kv_disk_size,
+        "kv_redis_url": args.kv_redis_url,
+        "kv_redis_ttl_s": args.kv_redis_ttl,
+    }
 
 
 def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
@@ -75,6 +99,11 @@ def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
         "enable_prefix_caching": not args.no_prefix_caching,
         "num_threads": args.threads,
     }
+    # A baseline built with its caches off (e.g. the demo's) has no tiers either.
+    if overrides.get("use_kv_cache") is not False and overrides.get(
+        "enable_prefix_caching"
+    ) is not False:
+        kwargs |= tier_kwargs(args)
     return LLM(**(kwargs | overrides))
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstack.kv.block_hash import hash_full_blocks
+from kvstack.kv.block_hash import BlockHash, hash_full_blocks
 from kvstack.kv.block_pool import BlockPool, KVBlock
 from kvstack.kv.pins import PinRegistry
+from kvstack.kv.tiers.base import BlockTiers
 from kvstack.request import Request
 
 
@@ -14,6 +16,7 @@ from kvstack.request import Request
 class PrefixHit:
     blocks: list[KVBlock]
     num_tokens: int
+    num_restored_tokens: int = 0  # of num_tokens, loaded from a tier below the memory pool
 
 
 class KVCacheManager:
@@ -26,8 +29,10 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         fingerprint: str,
         max_pinned_blocks: int | None = None,
+        tiers: BlockTiers | None = None,
     ) -> None:
         self.pool = BlockPool(num_blocks)
+        self.tiers = tiers
         self.pins = PinRegistry(
             self.pool, num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
         )
@@ -36,6 +41,7 @@ class KVCacheManager:
         self.fingerprint = fingerprint
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        self.num_restored_tokens = 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -47,7 +53,11 @@ class KVCacheManager:
         return (self.fingerprint, cache_salt or "")
 
     def match_prefix(self, request: Request) -> PrefixHit:
-        """Longest chain of cached full blocks; the last token is always left to compute."""
+        """Longest chain of cached full blocks; the last token is always left to compute.
+
+        Past the memory hit, the tiers are asked for the next blocks: the run they hold is
+        loaded into fresh blocks and published, so it counts as cached like any other hit.
+        """
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
         tokens = request.token_ids()
@@ -61,7 +71,29 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        return PrefixHit(hit, len(hit) * self.block_size)
+        restored: list[KVBlock] = []
+        if self.tiers is not None and len(hit) < max_blocks:
+            restored = self._restore(request.block_hashes[len(hit):max_blocks], hit)
+        return PrefixHit(hit + restored, (len(hit) + len(restored)) * self.block_size,
+                         len(restored) * self.block_size)
+
+    def _restore(self, hashes: list[BlockHash], hit: list[KVBlock]) -> list[KVBlock]:
+        """Load the longest run of `hashes` the tiers hold into free blocks and publish them;
+        they stay free (cached) until `allocate` takes them with the rest of the hit."""
+        assert self.tiers is not None
+        num = self.tiers.lookup(hashes)
+        if num == 0:
+            return []
+        self.pool.touch(hit)  # so allocating below cannot evict the memory hit
+        try:
+            blocks = self.pool.allocate(min(num, self.pool.num_free))
+            num_loaded = self.tiers.restore(hashes[: len(blocks)], [b.block_id for b in blocks])
+            for block, block_hash in zip(blocks[:num_loaded], hashes, strict=False):
+                self.pool.cache(block, block_hash)
+            self.pool.free(reversed(blocks))
+        finally:
+            self.pool.free(reversed(hit))
+        return blocks[:num_loaded]
 
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Give `request` room for `num_new_tokens` more; False (and no change) if it can't fit.
@@ -88,9 +120,11 @@ class KVCacheManager:
     def record_query(self, request: Request, hit: PrefixHit) -> None:
         self.num_query_tokens += request.num_tokens
         self.num_hit_tokens += hit.num_tokens
+        self.num_restored_tokens += hit.num_restored_tokens
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Publish the request's newly completed full blocks in the prefix cache."""
+        """Publish the request's newly completed full blocks in the prefix cache, and write
+        them through to the tiers."""
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
@@ -102,8 +136,14 @@ class KVCacheManager:
                 self._extra_keys(request),
                 request.block_hashes,
             )
+        published = []
         for block, block_hash in zip(request.blocks[:num_full], request.block_hashes, strict=False):
-            self.pool.cache(block, block_hash)
+            if block.block_hash is None:
+                self.pool.cache(block, block_hash)
+                if block.block_hash is not None:
+                    published.append((block.block_id, block_hash))
+        if published and self.tiers is not None:
+            self.tiers.offload(published)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its head stays cached longest."""
@@ -113,6 +153,21 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
+
+    def prefix_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+        """Hashes of the full blocks of a prompt, as a request with this salt would get them."""
+        return hash_full_blocks(list(token_ids), self.block_size, self._salted_keys(cache_salt),
+                                [])
+
+    def cached_run(self, hashes: Sequence[BlockHash]) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the leading blocks of `hashes` in the memory prefix cache."""
+        run = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            run.append((block.block_id, block_hash))
+        return run
 
     def pin_prefix(
         self, token_ids: list[int], cache_salt: str | None, until: float

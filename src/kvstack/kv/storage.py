@@ -38,3 +38,18 @@ class KVCacheStorage:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """slots: any int64 shape S -> (k, v) each [*S, H_kv, D] (a gathered copy)."""
         return self.k[layer][slots], self.v[layer][slots]
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """One block of every layer, copied out: [num_layers, 2 (k, v), block_size, H_kv, D]."""
+        start, end = block_id * self.block_size, (block_id + 1) * self.block_size
+        return torch.stack([torch.stack((k[start:end], v[start:end]))
+                            for k, v in zip(self.k, self.v, strict=True)])
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """The inverse of `read_block` for many blocks: data [N, num_layers, 2, block_size,
+        H_kv, D] with N == len(block_ids)."""
+        for i, block_id in enumerate(block_ids):
+            start, end = block_id * self.block_size, (block_id + 1) * self.block_size
+            for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+                k[start:end].copy_(data[i, layer, 0])
+                v[start:end].copy_(data[i, layer, 1])
