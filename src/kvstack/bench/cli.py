@@ -16,6 +16,7 @@ CASES = {
     "throughput": "offline output tok/s vs concurrency (1-64), against batched generate",
     "prefix": "TTFT with a ~2,000-token shared document cold vs cached",
     "pressure": "throughput in a third of the KV memory needed: preemptions, correctness",
+    "tiers": "TTFT of a ~2,000-token document cold vs from disk / Redis in fresh processes",
 }
 
 

@@ -285,4 +285,8 @@ def report(result: CaseResult, options: BenchOptions,
     path = options.out / f"{result.case}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     echo(result.summary)
+    load, cpus = payload["machine"]["load_average"], payload["machine"]["logical_cpus"]
+    if load and cpus and load[0] > cpus:
+        print(f"note: load average {load[0]:.1f} on {cpus} CPUs while {result.case} ran; "
+              "other jobs competed for the cores, so its timings are noisy", file=sys.stderr)
     return path

@@ -66,7 +66,7 @@ class MiniLMEmbedder:
             ) from err
         self._model = SentenceTransformer(str(path or minilm_path()), device=device,
                                           local_files_only=True)
-        self.dim = int(self._model.get_sentence_embedding_dimension() or 0)
+        self.dim = _dimension(self._model)
         self._lock = threading.Lock()  # one forward at a time: requests share the model
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
@@ -74,3 +74,10 @@ class MiniLMEmbedder:
             vectors = self._model.encode(list(texts), batch_size=64, convert_to_numpy=True,
                                          normalize_embeddings=True, show_progress_bar=False)
         return np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(texts), self.dim)
+
+
+def _dimension(model: object) -> int:
+    # sentence-transformers 6 renamed get_sentence_embedding_dimension (which now warns).
+    get = getattr(model, "get_embedding_dimension", None) or \
+        model.get_sentence_embedding_dimension  # type: ignore[attr-defined]
+    return int(get() or 0)

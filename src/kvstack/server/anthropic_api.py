@@ -25,6 +25,7 @@ from kvstack.server.errors import ApiError, from_exception
 from kvstack.server.generation import Generation, unless_disconnected
 from kvstack.server.prompts import chat_token_ids, common_prefix_len
 from kvstack.server.protocol import CacheControl, ContentBlock, MessagesRequest
+from kvstack.server.semantic import Probe, Replay, split_conversation
 
 router = APIRouter()
 
@@ -55,24 +56,39 @@ async def messages(request: Request, tenant: AuthTenant) -> JSONResponse | Strea
     )
     salt = tenant.cache_salt(body.cache_salt)
     message_id = f"msg_{uuid.uuid4().hex}"
-    gen = state.start(prompt.token_ids, params, message_id, salt)
+    probe = None
+    if state.semantic is not None:
+        key_text, context = _semantic_key(body)
+        probe = await state.semantic.probe(tenant, "anthropic.messages", key_text, context,
+                                           params, body.max_tokens, body.semantic_cache,
+                                           body.cache_salt)
+    headers = probe.headers if probe is not None else {}
+    gen: Generation | Replay
+    if probe is not None and probe.hit:
+        gen = probe.replay(message_id, prompt.token_ids)
+    else:
+        gen = state.start(prompt.token_ids, params, message_id, salt)
     try:
         # The prefill is done once the first token is out: its blocks are cached, so pin now.
         first = await unless_disconnected(request, gen.next())
-        num_pinned = await _pin(state, prompt, salt)
-        usage = _Usage(num_prompt, first.num_cached_tokens, num_pinned)
+        hit = probe is not None and probe.hit
+        num_pinned = 0 if hit else await _pin(state, prompt, salt)
+        usage = _Usage(num_prompt, first.num_cached_tokens, num_pinned,
+                       None if probe is None else hit)
         if not body.stream:
             out = await unless_disconnected(request, gen.final(first))
-            return JSONResponse(_message(state, message_id, out, usage))
+            if probe is not None:
+                await probe.store(out)
+            return JSONResponse(_message(state, message_id, out, usage), headers=headers)
     except BaseException:
         gen.close()
         raise
     finally:
         if not body.stream:
             gen.close()
-    events = _events(state, request, message_id, gen, first, usage)
+    events = _events(state, request, message_id, gen, first, usage, probe)
     return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"cache-control": "no-cache"})
+                             headers={"cache-control": "no-cache", **headers})
 
 
 # -- prompt and breakpoints ------------------------------------------------------------------
@@ -143,6 +159,18 @@ def _build_prompt(state: ServerState, body: MessagesRequest) -> _Prompt:
     return _Prompt(token_ids, breakpoints)
 
 
+def _semantic_key(body: MessagesRequest) -> tuple[str | None, Any]:
+    """The last user turn's text, and what surrounds it (tools, system, other turns); only
+    text counts, so cache_control breakpoints do not split the semantic cache."""
+    turns = [{"role": m.role, "content": "\n".join(b.text or "" for b in _blocks(m.content, ""))}
+             for m in body.messages]
+    key_text, around = split_conversation(turns)
+    tools = [{"name": t.name, "description": t.description, "input_schema": t.input_schema}
+             for t in body.tools or []]
+    system = [b.text for b in _blocks(body.system, "system")]
+    return key_text, {"tools": tools, "system": system, "turns": around}
+
+
 def _blocks(content: str | list[ContentBlock] | None, where: str) -> list[ContentBlock]:
     if content is None:
         return []
@@ -185,15 +213,19 @@ class _Usage:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_pinned_tokens: int
+    semantic_cache_hit: bool | None = None  # None: the semantic cache was not consulted
 
-    def as_dict(self, output_tokens: int) -> dict[str, int]:
+    def as_dict(self, output_tokens: int) -> dict[str, Any]:
         creation = max(0, self.num_pinned_tokens - self.num_cached_tokens)
-        return {
+        usage: dict[str, Any] = {
             "input_tokens": self.num_prompt_tokens - self.num_cached_tokens - creation,
             "cache_creation_input_tokens": creation,
             "cache_read_input_tokens": self.num_cached_tokens,
             "output_tokens": output_tokens,
         }
+        if self.semantic_cache_hit is not None:
+            usage["semantic_cache_hit"] = self.semantic_cache_hit
+        return usage
 
 
 def _stop(out: RequestOutput) -> tuple[str | None, str | None]:
@@ -224,8 +256,9 @@ def _message(state: ServerState, message_id: str, out: RequestOutput | None,
     }
 
 
-async def _events(state: ServerState, request: Request, message_id: str, gen: Generation,
-                  out: RequestOutput, usage: _Usage) -> AsyncIterator[str]:
+async def _events(state: ServerState, request: Request, message_id: str,
+                  gen: Generation | Replay, out: RequestOutput, usage: _Usage,
+                  probe: Probe | None) -> AsyncIterator[str]:
     try:
         yield _event("message_start", {"message": _message(state, message_id, None, usage)})
         yield _event("content_block_start",
@@ -240,6 +273,8 @@ async def _events(state: ServerState, request: Request, message_id: str, gen: Ge
             if out.finished:
                 break
             out = await gen.next()
+        if probe is not None:
+            await probe.store(out)
         yield _event("content_block_stop", {"index": 0})
         reason, sequence = _stop(out)
         yield _event("message_delta", {

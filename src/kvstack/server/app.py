@@ -24,10 +24,12 @@ from kvstack.engine import LLMEngine
 from kvstack.errors import InvalidRequestError, PromptTooLongError
 from kvstack.llm import LLM
 from kvstack.sampling_params import SamplingParams
+from kvstack.semantic.cache import SemanticCache, SemanticCacheConfig
 from kvstack.server.auth import KeyRing
 from kvstack.server.errors import ApiError, error_response, install_handlers
 from kvstack.server.generation import Generation
 from kvstack.server.metrics import ServerMetrics
+from kvstack.server.semantic import SemanticService
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -40,6 +42,7 @@ class ServerConfig:
     max_waiting: int | None = None  # queued requests past this get 429
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies get 413
     cache_ttl_scale: float = 1.0  # multiplies cache_control TTLs ("5m", "1h"); tests shrink it
+    semantic: SemanticCacheConfig | None = None  # None: no semantic cache
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -69,6 +72,7 @@ class ServerState:
         self.keys = keys
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
+        self.semantic: SemanticService | None = None  # set by create_app
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -181,13 +185,15 @@ def create_app(
     llm: LLM | LLMEngine | AsyncLLM,
     api_keys: Sequence[str] | KeyRing = (),
     config: ServerConfig | None = None,
+    semantic_cache: SemanticCache | None = None,
 ) -> FastAPI:
     """An app serving `llm`. Each API key is a tenant; with none, the API is open.
 
     Given an `AsyncLLM` the caller keeps ownership of it; otherwise the app makes one and shuts
-    it down (after in-flight requests drained) when the server stops.
+    it down (after in-flight requests drained) when the server stops. Likewise a given
+    `semantic_cache` stays the caller's; `config.semantic` makes one the app closes.
     """
-    from kvstack.server import anthropic_api, openai_api
+    from kvstack.server import anthropic_api, openai_api, semantic
 
     config = config or ServerConfig()
     keys = api_keys if isinstance(api_keys, KeyRing) else KeyRing(api_keys)
@@ -198,6 +204,13 @@ def create_app(
         engine = AsyncLLM(llm.engine if isinstance(llm, LLM) else llm, config.max_waiting)
     try:
         state = ServerState(engine, keys, config)
+        fingerprint = engine.engine.fingerprint
+        if semantic_cache is not None:
+            state.semantic = semantic.SemanticService(semantic_cache, fingerprint,
+                                                      state.metrics.registry, owned=False)
+        elif config.semantic is not None:
+            state.semantic = semantic.SemanticService.build(config.semantic, fingerprint,
+                                                            state.metrics.registry)
     except BaseException:
         if owned:
             engine.shutdown()
@@ -210,6 +223,8 @@ def create_app(
         finally:
             if owned:
                 await asyncio.to_thread(engine.shutdown)
+            if state.semantic is not None:
+                await asyncio.to_thread(state.semantic.close)
 
     app = FastAPI(title="kvstack", version="0.1.0", lifespan=lifespan)
     app.state.kvstack = state
@@ -229,4 +244,5 @@ def create_app(
 
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(semantic.router)
     return app

@@ -9,10 +9,15 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstack.cli import add_model_args, byte_size, load_llm, positive_int
+from kvstack.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvstack.semantic.cache import SemanticCacheConfig
 
 API_KEYS_ENV = "KVSTACK_API_KEYS"
 
@@ -57,6 +62,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        "(default: wait for all)")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"))
+    semantic = parser.add_argument_group(
+        "semantic cache", "answer repeated questions (by meaning) without running the model; "
+        "greedy requests only unless a request sends \"semantic_cache\": true")
+    semantic.add_argument("--semantic-cache", action="store_true",
+                          help="turn the semantic cache on (needs the 'semantic' extra)")
+    semantic.add_argument("--semantic-threshold", type=_positive_float, default=None,
+                          metavar="X", help="cosine similarity a hit needs, in (0, 1] "
+                          "(default: the one `kvstack eval semantic` recommends)")
+    semantic.add_argument("--semantic-dir", default=None, metavar="DIR",
+                          help="where entries persist across restarts (default: "
+                          "$KVSTACK_CACHE_DIR/semantic, else ~/.cache/kvstack/semantic)")
+    semantic.add_argument("--semantic-ttl", type=_positive_float, default=None, metavar="S",
+                          help="seconds an entry may be served (default: 86400)")
+    semantic.add_argument("--semantic-max-entries", type=positive_int, default=None,
+                          metavar="N", help="entries kept; the least recently used go first "
+                          "(default: 10000)")
     add_model_args(parser)
     parser.set_defaults(run=run)
     return parser
@@ -66,6 +87,26 @@ def api_keys(args: argparse.Namespace) -> list[str]:
     keys = list(args.api_key or [])
     keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
     return keys
+
+
+def semantic_config(args: argparse.Namespace) -> SemanticCacheConfig | None:
+    from kvstack.semantic.cache import SemanticCacheConfig
+    from kvstack.tokenizer import cache_root
+
+    given = {"--semantic-threshold": args.semantic_threshold, "--semantic-dir": args.semantic_dir,
+             "--semantic-ttl": args.semantic_ttl,
+             "--semantic-max-entries": args.semantic_max_entries}
+    if not args.semantic_cache:
+        stray = [flag for flag, value in given.items() if value is not None]
+        if stray:
+            raise InvalidRequestError(f"{stray[0]} needs --semantic-cache")
+        return None
+    fields: dict[str, Any] = {
+        "directory": Path(args.semantic_dir) if args.semantic_dir else cache_root() / "semantic",
+        "threshold": args.semantic_threshold, "ttl_s": args.semantic_ttl,
+        "max_entries": args.semantic_max_entries,
+    }
+    return SemanticCacheConfig(**{k: v for k, v in fields.items() if v is not None})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         cache_ttl_scale=args.cache_ttl_scale,
+        semantic=semantic_config(args),
     )
     # uvicorn re-raises the signal it drained on; a SIGTERM handled to the end is a clean exit.
     signal.signal(signal.SIGTERM, _exit_cleanly)

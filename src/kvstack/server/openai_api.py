@@ -25,6 +25,7 @@ from kvstack.server.protocol import (
     CompletionRequest,
     OpenAISampling,
 )
+from kvstack.server.semantic import Probe, Replay, split_conversation
 
 router = APIRouter()
 
@@ -55,7 +56,13 @@ async def completions(request: Request, tenant: AuthTenant) -> JSONResponse | St
     params = _sampling(state, body, len(prompt_ids), body.max_tokens, default_max_tokens=16,
                        logprobs=body.logprobs)
     echo = state.tokenizer.decode(prompt_ids) if body.echo else ""
-    call = _Call(state, request, "cmpl", "text_completion", len(prompt_ids), body)
+    probe = None
+    if state.semantic is not None:
+        key_text = _completion_text(body.prompt)
+        probe = await state.semantic.probe(tenant, "openai.completions", key_text, None, params,
+                                           body.max_tokens, body.semantic_cache,
+                                           body.cache_salt)
+    call = _Call(state, request, "cmpl", "text_completion", len(prompt_ids), body, probe)
     return await call.run(prompt_ids, params, tenant.cache_salt(body.cache_salt), echo)
 
 
@@ -74,7 +81,12 @@ async def chat_completions(request: Request,
         else body.max_tokens
     params = _sampling(state, body, len(prompt_ids), max_tokens,
                        logprobs=0 if body.logprobs else None)
-    call = _Call(state, request, "chatcmpl", "chat.completion", len(prompt_ids), body)
+    probe = None
+    if state.semantic is not None:
+        key_text, context = split_conversation(messages)
+        probe = await state.semantic.probe(tenant, "openai.chat", key_text, context, params,
+                                           max_tokens, body.semantic_cache, body.cache_salt)
+    call = _Call(state, request, "chatcmpl", "chat.completion", len(prompt_ids), body, probe)
     return await call.run(prompt_ids, params, tenant.cache_salt(body.cache_salt))
 
 
@@ -99,6 +111,13 @@ def _completion_prompt(state: ServerState, prompt: Any) -> list[int]:
         return prompt
     raise ApiError(400, "give one prompt per request (a string or a list of token ids)",
                    param="prompt")
+
+
+def _completion_text(prompt: Any) -> str | None:
+    """A text prompt, or None (token ids have no text to compare by meaning)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
 
 
 def _chat_message(index: int, message: ChatMessage) -> dict[str, str]:
@@ -146,8 +165,10 @@ class _Call:
     """One completion or chat completion, answered whole or as server-sent events."""
 
     def __init__(self, state: ServerState, request: Request, prefix: str, obj: str,
-                 num_prompt_tokens: int, body: OpenAISampling) -> None:
+                 num_prompt_tokens: int, body: OpenAISampling, probe: Probe | None = None) -> None:
         self.state = state
+        self.probe = probe  # the semantic cache's view of this request, if it looked it up
+        self.headers = probe.headers if probe is not None else {}
         self.request = request
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.chat = obj == "chat.completion"
@@ -161,14 +182,20 @@ class _Call:
 
     async def run(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
                   echo: str = "") -> JSONResponse | StreamingResponse:
-        gen = self.state.start(prompt_ids, params, self.id, cache_salt)
+        gen: Generation | Replay
+        if self.probe is not None and self.probe.hit:
+            gen = self.probe.replay(self.id, prompt_ids)
+        else:
+            gen = self.state.start(prompt_ids, params, self.id, cache_salt)
         try:
             # The first output is awaited before answering so that refusals (queue full, too
             # long for the pool) still get a proper status code.
             first = await unless_disconnected(self.request, gen.next())
             if not self.stream:
                 out = await unless_disconnected(self.request, gen.final(first))
-                return JSONResponse(self._response(out, echo))
+                if self.probe is not None:
+                    await self.probe.store(out)
+                return JSONResponse(self._response(out, echo), headers=self.headers)
         except BaseException:
             gen.close()
             raise
@@ -176,9 +203,9 @@ class _Call:
             if not self.stream:
                 gen.close()
         return StreamingResponse(self._events(gen, first, echo), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+                                 headers={"cache-control": "no-cache", **self.headers})
 
-    async def _events(self, gen: Generation, out: RequestOutput,
+    async def _events(self, gen: Generation | Replay, out: RequestOutput,
                       echo: str) -> AsyncIterator[str]:
         try:
             if self.chat:
@@ -198,6 +225,8 @@ class _Call:
                 if out.finished:
                     break
                 out = await gen.next()
+            if self.probe is not None:
+                await self.probe.store(out)
             if self.include_usage:
                 yield _sse({**self._envelope(), "choices": [], "usage": self._usage(out)})
         except Exception as err:  # noqa: BLE001 - the status line is gone; say it in-band
@@ -232,12 +261,15 @@ class _Call:
 
     def _usage(self, out: RequestOutput) -> dict[str, Any]:
         num_out = len(out.outputs[0].token_ids)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": num_out,
             "total_tokens": self.num_prompt_tokens + num_out,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
         }
+        if self.probe is not None:
+            usage["semantic_cache_hit"] = self.probe.hit
+        return usage
 
     def _logprobs(self, out: RequestOutput, start: int) -> dict[str, Any] | None:
         completion = out.outputs[0]

@@ -16,7 +16,8 @@ class _Body(BaseModel):
 
 
 class ExtraSampling(_Body):
-    """vLLM-style fields both APIs accept, and the prefix-cache salt."""
+    """vLLM-style fields both APIs accept, the prefix-cache salt and the semantic-cache
+    switch."""
 
     top_k: int | None = None
     min_p: float | None = None
@@ -27,6 +28,8 @@ class ExtraSampling(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    # true: a sampled request may use the semantic cache too; false: not even a greedy one.
+    semantic_cache: bool | None = None
 
 
 # -- OpenAI ----------------------------------------------------------------------------------

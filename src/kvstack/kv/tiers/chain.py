@@ -19,7 +19,6 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvstack.config import CacheConfig
@@ -139,7 +138,11 @@ class TierChain:
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         segments = self._segments(hashes)
         self._plan = (tuple(hashes), segments)
-        return sum(count for _, _, count in segments)
+        num = sum(count for _, _, count in segments)
+        # Blocks the tiers lost (evicted, expired, a Redis restart) get written again when
+        # they are recomputed.
+        self.forget(hashes[num:])
+        return num
 
     def _segments(self, hashes: Sequence[BlockHash]) -> list[tuple[int, int, int]]:
         """(tier index, start, count) runs covering the longest prefix of `hashes` held."""
@@ -170,8 +173,9 @@ class TierChain:
             payloads += loaded
             if len(loaded) < count:
                 break
-        if payloads:
-            self.storage.write_blocks(list(block_ids[: len(payloads)]), self._tensor(payloads))
+        self.forget(hashes[len(payloads):])  # a dropped block is written again once recomputed
+        for block_id, payload in zip(block_ids, payloads, strict=False):
+            self.storage.write_blocks([block_id], self._tensor(payload))
         return len(payloads)
 
     def _load(self, index: int, hashes: Sequence[BlockHash]) -> list[memoryview]:
@@ -193,15 +197,14 @@ class TierChain:
                        load_seconds=time.perf_counter() - start)
         return payloads
 
-    def _tensor(self, payloads: list[memoryview]) -> torch.Tensor:
-        """[N, num_layers, 2, block_size, H_kv, D] in the storage dtype."""
+    def _tensor(self, payload: memoryview) -> torch.Tensor:
+        """[1, num_layers, 2, block_size, H_kv, D] in the storage dtype, on the payload's bytes
+        where they are writable (a disk read), else on a copy (torch wants writable buffers)."""
         fmt = self.format
-        out = torch.empty((len(payloads), fmt.payload_bytes), dtype=torch.uint8)
-        rows = out.numpy()
-        for i, payload in enumerate(payloads):
-            rows[i] = np.frombuffer(payload, dtype=np.uint8)
-        return out.view(self.storage.dtype).view(len(payloads), fmt.num_layers, 2,
-                                                 fmt.block_size, fmt.num_kv_heads, fmt.head_dim)
+        data = torch.frombuffer(payload if not payload.readonly else bytearray(payload),
+                                dtype=torch.uint8)
+        return data.view(self.storage.dtype).view(1, fmt.num_layers, 2, fmt.block_size,
+                                                  fmt.num_kv_heads, fmt.head_dim)
 
     # -- offload ----------------------------------------------------------------------------
 

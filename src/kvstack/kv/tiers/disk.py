@@ -47,6 +47,20 @@ def _is_hex(text: str) -> bool:
     return True
 
 
+def _read(path: Path) -> bytearray:
+    """The whole file into a writable buffer (the engine copies K/V from it without a copy)."""
+    with open(path, "rb", buffering=0) as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        view = memoryview(data)
+        num = 0
+        while num < len(data):
+            got = f.readinto(view[num:])
+            if not got:
+                break
+            num += got
+        return data[:num] if num < len(data) else data
+
+
 class DiskTier(KVTier):
     name = "disk"
 
@@ -131,7 +145,7 @@ class DiskTier(KVTier):
             key = block_hash.hex()
             path = self._path(key)
             try:
-                data = path.read_bytes()
+                data = _read(path)
             except FileNotFoundError:  # evicted by another process since the lookup
                 with self._lock:
                     self._forget(key)

@@ -75,7 +75,10 @@ class RedisTier(KVTier):
         except (redis.exceptions.ConnectionError, OSError):
             kind = "connection"
         except redis.exceptions.ResponseError as err:
-            self.stats.fault("oom" if str(err).startswith("OOM") else "redis_error")
+            # Over maxmemory (noeviction): the server refuses writes, reads still work.
+            oom = isinstance(err, getattr(redis.exceptions, "OutOfMemoryError", ())) or (
+                "maxmemory" in str(err))
+            self.stats.fault("oom" if oom else "redis_error")
             return None
         except redis.exceptions.RedisError:
             self.stats.fault("redis_error")
