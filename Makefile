@@ -21,7 +21,7 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/kvstack demo
 
-test: $(STAMP)
+test: $(STAMP) redis-server
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 

@@ -123,10 +123,15 @@ def test_disk_tier_lru_never_exceeds_cap(tmp_path: Path) -> None:
     for h, data in blocks:
         assert tier.store(h, data)
         assert dir_bytes(tmp_path) <= cap
+        tier.check_integrity()
         assert tier.load([blocks[0][0]]) == [blocks[0][1]]  # block 0 stays recently used
     held = [i for i, (h, _) in enumerate(blocks) if tier.lookup([h])]
     assert held == [0, 16, 17, 18, 19]
-    assert DiskTier(tmp_path, max_bytes=cap).num_bytes <= cap
+    # Restarted with a smaller cap: the least recently used files go at once.
+    smaller = DiskTier(tmp_path, max_bytes=2 * fmt.block_bytes)
+    smaller.check_integrity()
+    assert dir_bytes(tmp_path) <= 2 * fmt.block_bytes
+    assert smaller.lookup([blocks[0][0]]) == 1  # loaded last, so kept
 
 
 def _enospc_open(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -550,6 +555,16 @@ def test_redis_down_slow_and_restarted_engine_output_unchanged(
     with LLM(**ENGINE, kv_redis_url=redis_server.url) as llm:
         # The question's full blocks were written too, on the recompute.
         assert _ask(llm, cold).num_cached_tokens == (len(cold["prompt"]) - 1) // 16 * 16
+
+
+def test_cache_cli_user_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = tmp_path / "doc.txt"
+    doc.write_text("some text")
+    assert cli_main(["cache", "warm", "--file", str(doc)]) == 2
+    assert "--kv-disk-dir" in capsys.readouterr().err
+    assert cli_main(["cache", "ls"]) == 2
+    assert cli_main(["cache", "stats", "--kv-disk-dir", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
 
 
 def test_tiers_need_prefix_caching(tmp_path: Path) -> None:

@@ -77,6 +77,7 @@ class DiskTier(KVTier):
         self._last_scan = 0.0
         with self._lock:
             self._scan()
+            self._make_room(0)  # a directory left bigger than this cap shrinks at once
 
     @property
     def num_bytes(self) -> int:
@@ -199,6 +200,12 @@ class DiskTier(KVTier):
                 self._path(key).unlink(missing_ok=True)
             except OSError:
                 self.stats.fault("io")
+
+    def check_integrity(self) -> None:
+        """The byte count is the sum of the indexed sizes, and within the cap."""
+        with self._lock:
+            assert self._bytes == sum(self._index.values()), "byte count drifted from index"
+            assert self._bytes <= self.max_bytes, "more bytes indexed than the cap"
 
     def discard(self, block_hash: BlockHash) -> None:
         key = block_hash.hex()
