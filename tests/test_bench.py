@@ -201,3 +201,35 @@ def test_cache_prompt_is_the_46_token_chat_prompt(monkeypatch: pytest.MonkeyPatc
     prompt = subject.chat_prompt(cache.QUESTION)
     assert len(prompt) == 46
     assert subject.tokenizer.decode(prompt).rstrip().endswith("assistant")
+
+
+@pytest.mark.slow
+def test_serve_case_loads_a_live_server_over_http(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(common, "load_checkpoint", cached_checkpoint)
+    code, lines, _ = bench(capsys, "serve", "--quick", "--model", EMBEDDED, "--threads", "1",
+                           "--out", str(tmp_path), "--no-progress")
+    assert code == 0
+    data = json.loads((tmp_path / "serve.json").read_text())
+    config, rows = data["config"], data["results"]["levels"]
+    assert config["levels"] == [1, 2] and config["max_tokens"] == 4
+    assert [r["concurrency"] for r in rows] == config["levels"]
+    for row, num in zip(rows, config["requests_per_level"], strict=True):
+        for variant in ("no_system_prompt", "shared_system_prompt"):
+            run = row[variant]
+            assert run["num_requests"] == run["num_complete"] == num
+            for key in ("requests_per_s", "output_tok_s", "ttft_p50_s", "ttft_p99_s",
+                        "tpot_p50_s", "tpot_p99_s", "mean_prompt_tokens"):
+                assert positive(run[key]), key
+            assert run["ttft_p50_s"] <= run["ttft_p99_s"]
+        # A warm-up request cached the system prompt: every measured request reuses its blocks.
+        shared = row["shared_system_prompt"]
+        assert shared["mean_cached_tokens"] >= config["shared_prefix_tokens"] // 16 * 16 > 0
+        assert shared["mean_cached_tokens"] > row["no_system_prompt"]["mean_cached_tokens"]
+    # One line per level and variant, then the case's summary.
+    assert len(lines) == 2 * len(rows) + 1
+    assert all(line.startswith("serve: ") for line in lines)
+    assert lines[-1] == data["summary"]
+    assert data["results"]["overall"]["num_complete"] == 2 * sum(config["requests_per_level"])
+    assert (tmp_path / data["plots"][0]).read_bytes().startswith(b"\x89PNG")

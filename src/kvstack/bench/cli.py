@@ -17,6 +17,7 @@ CASES = {
     "prefix": "TTFT with a ~2,000-token shared document cold vs cached",
     "pressure": "throughput in a third of the KV memory needed: preemptions, correctness",
     "tiers": "TTFT of a ~2,000-token document cold vs from disk / Redis in fresh processes",
+    "serve": "HTTP load on `kvstack serve`: req/s, TTFT and TPOT at 1-32 streaming clients",
 }
 
 
@@ -44,9 +45,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     peer_batch.add_argument("--peer-max-batch", type=positive_int, default=None, metavar="N",
                             help="throughput: run transformers only up to this concurrency "
                             "(it is the slow side at large batches); default: all")
+    serve_url = argparse.ArgumentParser(add_help=False)
+    serve_url.add_argument("--url", default=None, metavar="URL",
+                           help="load the kvstack server already running at URL (e.g. "
+                           "http://127.0.0.1:8000) instead of starting one")
     cases = parser.add_subparsers(title="cases", metavar="CASE", dest="case", required=True)
     for name, text in CASES.items():
-        parents = [shared, peer_batch] if name == "throughput" else [shared]
+        parents = [shared, *{"throughput": [peer_batch], "serve": [serve_url]}.get(name, [])]
         cases.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
                          parents=parents)
     cases.add_parser("all", help="every case in order: " + ", ".join(CASES),
@@ -67,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         quick=args.quick,
         peer_max_batch=getattr(args, "peer_max_batch", None),
         show_progress=not args.no_progress,
+        url=getattr(args, "url", None),
     )
     names = list(CASES) if args.case == "all" else [args.case]
     subject = Subject(options)

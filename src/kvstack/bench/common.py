@@ -50,6 +50,7 @@ class BenchOptions:
     quick: bool = False
     peer_max_batch: int | None = None  # throughput: largest batch the peer runs (None = all)
     show_progress: bool = True
+    url: str | None = None  # serve: load this running server instead of starting one
 
 
 @dataclass
