@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 import kvstack.engine as engine_module
+from kvstack.bench.peers import transformers_model
 from kvstack.weights import Checkpoint, load_checkpoint
 
 EMBEDDED = "smollm2-135m"
@@ -33,23 +33,6 @@ def _share_checkpoints() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def embedded_checkpoint() -> Checkpoint:
     return cached_checkpoint(EMBEDDED)
-
-
-def transformers_model(ckpt: Checkpoint) -> Any:
-    """A Hugging Face transformers model holding exactly the checkpoint's weights (fp32)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf = dict(ckpt.hf_config)
-    config = AutoConfig.for_model(hf.pop("model_type", "llama"), **hf)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(
-        {k: v.float() for k, v in ckpt.tensors.items()}, strict=False
-    )
-    assert not unexpected, unexpected
-    assert all("rotary_emb" in k or (k == "lm_head.weight" and config.tie_word_embeddings)
-               for k in missing), missing
-    model.tie_weights()
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import transformers_model
 from gguf import GGMLQuantizationType as QType
 from helpers.tiny_models import VARIANTS, make_tiny_hf_folder, write_tiny_gguf
 from transformers import AutoModelForCausalLM
 
 from kvstack import LLM, SamplingParams
+from kvstack.bench.peers import transformers_model
 from kvstack.engine import LLMEngine
 from kvstack.kv.storage import KVCacheStorage
 from kvstack.models import model_class
