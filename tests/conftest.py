@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 import kvstack.engine as engine_module
 from kvstack.bench.peers import transformers_model
@@ -28,6 +29,16 @@ def _share_checkpoints() -> Iterator[None]:
     patch.setattr(engine_module, "load_checkpoint", cached_checkpoint)
     yield
     patch.undo()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module: steadier than two on a busy 2-core machine, and a fixed
+    BLAS reduction order; the next module gets its thread count back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -7,17 +7,16 @@ size, prefix caching and preemption must never change what a request generates.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
-import torch
 
 from kvstack import LLM, SamplingParams
 from kvstack.errors import CapacityError
 from kvstack.outputs import RequestOutput
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -37,16 +36,6 @@ PROMPTS = [
     ", ".join(str(i) for i in range(1, 31)) + ",",  # 110 tokens: 7 blocks of 16
     SHARED + " Question: name three countries that border Germany.",  # 49 tokens
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    # One thread keeps a busy 2-core machine from stalling in thread barriers (small gathers
-    # take milliseconds with two threads under load); the count is restored afterwards.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_llm(**kwargs: Any) -> LLM:

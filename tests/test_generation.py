@@ -4,7 +4,7 @@ agree token for token; K/V once in the cache never change."""
 from __future__ import annotations
 
 import pydoc_data.topics
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +23,7 @@ NUM_NEW_TOKENS = 64
 KV_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # One thread is steadier (and on a busy 2-core machine faster) than two; later test
-    # modules get their thread count back.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def greedy(num_new: int) -> SamplingParams:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import pydoc_data.topics
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +41,7 @@ FLOAT64_ATOL = 1e-5  # measured 2e-6: rms-norm and rope tables run in fp32 in bo
 TINY_ATOL = 1e-4  # tiny models' logits are ~4; measured 5e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # One thread is steadier (and on a busy 2-core machine faster) than two, and fixes the
-    # BLAS reduction order; later test modules get their thread count back.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def teacher_forced_logits(
