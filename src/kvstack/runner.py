@@ -65,7 +65,7 @@ class ModelRunner:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             row = len(ids)
-            ids.extend(r.token_ids()[start:end])
+            ids.extend(r.tokens_between(start, end))
             pos.extend(range(start, end))
             if self.kv is not None:
                 block_ids = [b.block_id for b in r.blocks]

@@ -128,10 +128,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
-        tokens = request.token_ids()
         if len(request.block_hashes) < num_full:
+            # Runs once per newly full block, not every step: no copy of the sequence otherwise.
             request.block_hashes = hash_full_blocks(
-                tokens[: num_full * self.block_size],
+                request.tokens_between(0, num_full * self.block_size),
                 self.block_size,
                 self._extra_keys(request),
                 request.block_hashes,

@@ -13,23 +13,13 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from kvstack.cli import add_model_args, byte_size, load_llm, positive_int
+from kvstack.cli import add_model_args, byte_size, load_llm, positive_float, positive_int
 from kvstack.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kvstack.semantic.cache import SemanticCacheConfig
 
 API_KEYS_ENV = "KVSTACK_API_KEYS"
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -55,9 +45,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="most requests computed together")
     group.add_argument("--max-pinned-fraction", type=float, default=0.5, metavar="F",
                        help="share of the KV pool cache_control pins may hold")
-    group.add_argument("--cache-ttl-scale", type=_positive_float, default=1.0, metavar="X",
+    group.add_argument("--cache-ttl-scale", type=positive_float, default=1.0, metavar="X",
                        help="multiply cache_control TTLs (5m, 1h) by X, e.g. for tests")
-    group.add_argument("--drain-timeout", type=_positive_float, default=None, metavar="S",
+    group.add_argument("--drain-timeout", type=positive_float, default=None, metavar="S",
                        help="on SIGTERM, cancel requests still running after S seconds "
                        "(default: wait for all)")
     group.add_argument("--log-level", default="info",
@@ -67,13 +57,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "greedy requests only unless a request sends \"semantic_cache\": true")
     semantic.add_argument("--semantic-cache", action="store_true",
                           help="turn the semantic cache on (needs the 'semantic' extra)")
-    semantic.add_argument("--semantic-threshold", type=_positive_float, default=None,
+    semantic.add_argument("--semantic-threshold", type=positive_float, default=None,
                           metavar="X", help="cosine similarity a hit needs, in (0, 1] "
                           "(default: the one `kvstack eval semantic` recommends)")
     semantic.add_argument("--semantic-dir", default=None, metavar="DIR",
                           help="where entries persist across restarts (default: "
                           "$KVSTACK_CACHE_DIR/semantic, else ~/.cache/kvstack/semantic)")
-    semantic.add_argument("--semantic-ttl", type=_positive_float, default=None, metavar="S",
+    semantic.add_argument("--semantic-ttl", type=positive_float, default=None, metavar="S",
                           help="seconds an entry may be served (default: 86400)")
     semantic.add_argument("--semantic-max-entries", type=positive_int, default=None,
                           metavar="N", help="entries kept; the least recently used go first "
