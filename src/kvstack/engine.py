@@ -181,8 +181,24 @@ class LLMEngine:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
         result = self.runner.run(batch)
+        if result.prompt_logprobs is not None:
+            self._record_prompt_logprobs(batch, result.prompt_logprobs)
         self.scheduler.after_step(batch)
         return self._update(batch, result.token_ids, result.logprobs)
+
+    @staticmethod
+    def _record_prompt_logprobs(
+        batch: SchedulerOutput, scored: list[tuple[int, list[float]] | None]
+    ) -> None:
+        for s, entry in zip(batch.scheduled, scored, strict=True):
+            if entry is None:
+                continue
+            r = s.request
+            if not r.prompt_logprobs:
+                r.prompt_logprobs = [None] * r.num_prompt_tokens
+            first, values = entry
+            # By index, so a preempted request that recomputes its prompt rewrites, not appends.
+            r.prompt_logprobs[first : first + len(values)] = values
 
     def _update(
         self,
@@ -264,6 +280,8 @@ class LLMEngine:
             finished=request.finished,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             metrics=request.metrics,
+            prompt_logprobs=(list(request.prompt_logprobs or [None] * request.num_prompt_tokens)
+                             if request.params.prompt_logprobs is not None else None),
         )
 
     # -- cache control and stats ------------------------------------------------------------

@@ -52,3 +52,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # With `prompt_logprobs`: log P(prompt[i] | prompt[:i]) for each i (None for the first).
+    prompt_logprobs: list[float | None] | None = None

@@ -33,6 +33,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V sit in this request's blocks
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
     blocks: list[KVBlock] = field(default_factory=list)

@@ -18,6 +18,9 @@ class StepResult:
     # (a prefill chunk that is not the last).
     token_ids: list[int | None]
     logprobs: list[float | None]
+    # Per scheduled request: (first prompt index scored, log-probs) when it asked for
+    # prompt logprobs and this step computed prompt positions; else None.
+    prompt_logprobs: list[tuple[int, list[float]] | None] | None = None
 
 
 class ModelRunner:
@@ -32,6 +35,8 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, meta, self.kv)
         samplers = [s for s in batch.scheduled if s.samples]
         result = StepResult([None] * len(batch.scheduled), [None] * len(batch.scheduled))
+        if any(s.request.params.prompt_logprobs is not None for s in batch.scheduled):
+            result.prompt_logprobs = self._prompt_logprobs(batch, hidden, input_ids)
         if not samplers:
             return result
         logits = self.model.compute_logits(hidden[sample_rows])
@@ -43,6 +48,27 @@ class ModelRunner:
                 result.logprobs[i] = logprobs[j] if logprobs is not None else None
                 j += 1
         return result
+
+    def _prompt_logprobs(
+        self, batch: SchedulerOutput, hidden: torch.Tensor, input_ids: torch.Tensor
+    ) -> list[tuple[int, list[float]] | None]:
+        """Score each computed prompt position's successor: row p predicts prompt[p + 1]."""
+        out: list[tuple[int, list[float]] | None] = []
+        row = 0
+        for s in batch.scheduled:
+            r = s.request
+            start = r.num_computed_tokens
+            # Positions start .. stop-1 have a prompt successor.
+            stop = min(start + s.num_new_tokens, r.num_prompt_tokens - 1)
+            if r.params.prompt_logprobs is None or stop <= start:
+                out.append(None)
+            else:
+                logits = self.model.compute_logits(hidden[row : row + stop - start])
+                targets = torch.tensor(r.prompt_token_ids[start + 1 : stop + 1])
+                scores = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])
+                out.append((start + 1, scores[:, 0].tolist()))
+            row += s.num_new_tokens
+        return out
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Slots of token positions [start, end) of a sequence with these blocks."""

@@ -58,6 +58,9 @@ class SamplingParams:
     `logprobs` accepts only 0 or 1 and both mean the same: report the log-probability of each
     chosen token under the raw model distribution. Top alternatives are not computed, so larger
     values are refused rather than silently answered with less than was asked.
+    `prompt_logprobs` (0 or 1, same meaning) asks for the log-probability of each prompt token
+    given the tokens before it (perplexity); such a request computes its whole prompt, so it
+    neither takes nor needs a prefix-cache hit.
     """
 
     n: int = 1
@@ -74,6 +77,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -91,8 +95,9 @@ class SamplingParams:
         _check_int("seed", self.seed, "or null", lambda _: True, allow_none=True)
         _check_int("max_tokens", self.max_tokens, ">= 1 or null", lambda m: m >= 1,
                    allow_none=True)
-        _check_int("logprobs", self.logprobs, "0 or 1 or null (top alternatives unsupported)",
-                   lambda k: k in (0, 1), allow_none=True)
+        for name in ("logprobs", "prompt_logprobs"):
+            _check_int(name, getattr(self, name), "0 or 1 or null (top alternatives unsupported)",
+                       lambda k: k in (0, 1), allow_none=True)
         self.stop = _normalized_stop(self.stop)
         self.stop_token_ids = _normalized_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):

@@ -65,6 +65,8 @@ class KVCacheManager:
             tokens, self.block_size, self._extra_keys(request), request.block_hashes
         )
         max_blocks = (len(tokens) - 1) // self.block_size
+        if request.params.prompt_logprobs is not None:
+            max_blocks = 0  # every prompt position must be computed to score it
         hit: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)

@@ -1,0 +1,112 @@
+"""Quality measures shared by the evaluations: perplexity on a held-out text and greedy
+agreement with a reference run.
+
+The held-out text is Python's own documentation (`pydoc_data.topics`, shipped with CPython), so
+it needs no download and is the same on every machine. Perplexity comes from the engine's
+`prompt_logprobs`, i.e. the same forward pass that serves requests: build the `LLM` with a small
+`max_num_batched_tokens` and each window is prefilled in chunks whose attention reads the
+earlier chunks back from the KV cache, so a lossy cache (quantized, windowed) shows in the score.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstack.errors import InvalidRequestError
+from kvstack.llm import LLM
+from kvstack.sampling_params import SamplingParams
+
+# A fixed prompt set for greedy agreement: short chat questions of different kinds.
+AGREEMENT_PROMPTS: tuple[str, ...] = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is to a beginner.",
+    "List three uses of copper.",
+    "How do I reverse a list in Python?",
+    "Why is the sky blue?",
+    "Give me a short recipe for pancakes.",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+)
+
+
+def heldout_text() -> str:
+    """The documentation topics of this Python, in a fixed (sorted) order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def heldout_token_ids(tokenizer: Any, num_tokens: int) -> list[int]:
+    """The first `num_tokens` tokens of `heldout_text()` (no special tokens)."""
+    if num_tokens < 2:
+        raise InvalidRequestError(f"perplexity needs at least 2 tokens, got {num_tokens}")
+    if tokenizer is None:
+        raise InvalidRequestError("perplexity on text needs a model with a tokenizer")
+    text = heldout_text()
+    # Tokenizing the whole text takes seconds; a prefix 8 chars per token is ample.
+    ids = tokenizer.encode(text[: num_tokens * 8], add_special_tokens=False)
+    if len(ids) < num_tokens:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    return list(ids[:num_tokens])
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    perplexity: float
+    mean_nll: float  # nats per scored token
+    num_tokens: int  # tokens scored (each window's first token has no context and is skipped)
+
+
+def perplexity(llm: LLM, token_ids: Sequence[int], window: int = 1024) -> PerplexityResult:
+    """Perplexity of `token_ids` split into consecutive windows of `window` tokens, each scored
+    as one prompt (all windows in one batch)."""
+    if window < 2:
+        raise InvalidRequestError(f"window must be at least 2 tokens, got {window}")
+    windows = [list(token_ids[i : i + window]) for i in range(0, len(token_ids), window)]
+    windows = [w for w in windows if len(w) >= 2]
+    if not windows:
+        raise InvalidRequestError("perplexity needs at least 2 tokens of text")
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params)
+    scores = [lp for out in outputs for lp in (out.prompt_logprobs or [])[1:]]
+    if any(lp is None for lp in scores):
+        raise AssertionError("engine left a prompt position unscored")
+    mean_nll = -math.fsum(scores) / len(scores)
+    return PerplexityResult(math.exp(mean_nll), mean_nll, len(scores))
+
+
+@dataclass(frozen=True)
+class Agreement:
+    token_agreement: float  # share of reference tokens reproduced before the first divergence
+    exact_matches: int  # prompts whose whole continuation is identical
+    num_prompts: int
+
+
+def greedy_outputs(llm: LLM, prompts: Sequence[str] = AGREEMENT_PROMPTS,
+                   max_tokens: int = 64) -> list[list[int]]:
+    """Greedy continuations of the chat-templated prompts (ignore_eos: fixed length)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    return [out.outputs[0].token_ids for out in llm.chat(chats, params)]
+
+
+def greedy_agreement(reference: Sequence[Sequence[int]],
+                     candidate: Sequence[Sequence[int]]) -> Agreement:
+    """Compare continuations prompt by prompt; after a first divergence the rest of that
+    continuation counts as disagreeing (it conditions on different text)."""
+    if len(reference) != len(candidate):
+        raise InvalidRequestError("reference and candidate cover different prompt sets")
+    agreed = total = exact = 0
+    for ref, cand in zip(reference, candidate, strict=True):
+        common = 0
+        for a, b in zip(ref, cand, strict=False):
+            if a != b:
+                break
+            common += 1
+        agreed += common
+        total += len(ref)
+        exact += int(list(ref) == list(cand))
+    return Agreement(agreed / total if total else 1.0, exact, len(reference))

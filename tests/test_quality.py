@@ -1,0 +1,116 @@
+"""Prompt log-probabilities and the quality measures built on them (perplexity, greedy
+agreement): checked against transformers on the same weights, and across the engine's ways of
+computing a prompt (one pass, chunked, preempted, after a prefix-cache entry exists)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from kvstack import LLM, SamplingParams
+from kvstack.errors import InvalidRequestError
+from kvstack.quality import (
+    greedy_agreement,
+    heldout_text,
+    heldout_token_ids,
+    perplexity,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NUM_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(kv_cache_memory="64MiB", max_num_batched_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def text_ids(llm: LLM) -> list[int]:
+    return heldout_token_ids(llm.get_tokenizer(), NUM_TOKENS)
+
+
+def _reference_logprobs(hf: Any, ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None])
+    return lp[:, 0].tolist()
+
+
+def test_heldout_text_is_long_and_stable(llm: LLM, text_ids: list[int]) -> None:
+    assert len(heldout_text()) > 100_000
+    assert len(text_ids) == NUM_TOKENS
+    assert heldout_token_ids(llm.get_tokenizer(), NUM_TOKENS) == text_ids
+
+
+def test_prompt_logprobs_match_transformers(llm: LLM, text_ids: list[int], hf_embedded: Any
+                                            ) -> None:
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    out = llm.generate({"prompt_token_ids": text_ids}, params)[0]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    ours = out.prompt_logprobs[1:]
+    ref = _reference_logprobs(hf_embedded, text_ids)
+    assert len(ours) == len(ref) == NUM_TOKENS - 1
+    assert max(abs(a - b) for a, b in zip(ours, ref, strict=True)) < 1e-3
+    # The usual logprobs are untouched by asking for prompt ones.
+    assert out.outputs[0].logprobs is None
+
+
+def test_chunked_preempted_and_cached_prompts_score_alike(text_ids: list[int]) -> None:
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    whole = LLM(kv_cache_memory="64MiB").generate({"prompt_token_ids": text_ids}, params)[0]
+    chunked_llm = LLM(kv_cache_memory="64MiB", max_num_batched_tokens=32)
+    # A first run leaves the text's blocks in the prefix cache; scoring must not take the hit.
+    chunked_llm.generate({"prompt_token_ids": text_ids}, SamplingParams(max_tokens=1))
+    chunked = chunked_llm.generate({"prompt_token_ids": text_ids}, params)[0]
+    assert chunked.num_cached_tokens == 0
+    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:], strict=True):
+        assert abs(a - b) < 1e-3
+    # KV for both prompts but not for both continuations: one is preempted and recomputes
+    # its prompt, scoring it again.
+    tight = LLM(kv_cache_memory=_blocks_bytes(chunked_llm, 40), max_num_batched_tokens=64)
+    longer = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    outs = tight.generate([{"prompt_token_ids": text_ids}] * 2, longer)
+    assert tight.stats().num_preemptions > 0
+    for out in outs:
+        assert len(out.prompt_logprobs) == NUM_TOKENS
+        for a, b in zip(whole.prompt_logprobs[1:], out.prompt_logprobs[1:], strict=True):
+            assert abs(a - b) < 1e-3
+    tight.engine.check_integrity()
+
+
+def _blocks_bytes(llm: LLM, num_blocks: int) -> int:
+    storage = llm.engine.kv_storage
+    return storage.num_bytes // storage.num_blocks * num_blocks
+
+
+def test_perplexity_matches_reference(llm: LLM, text_ids: list[int], hf_embedded: Any) -> None:
+    result = perplexity(llm, text_ids, window=100)
+    ref = [lp for i in range(0, NUM_TOKENS, 100)
+           for lp in _reference_logprobs(hf_embedded, text_ids[i : i + 100])]
+    assert result.num_tokens == len(ref) == NUM_TOKENS - 3
+    assert result.perplexity == pytest.approx(math.exp(-sum(ref) / len(ref)), rel=1e-4)
+    assert 1 < result.perplexity < 100  # real text under a real model, not noise (~vocab)
+
+
+def test_one_token_prompt_and_bad_values(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    out = llm.generate({"prompt_token_ids": [42]}, params)[0]
+    assert out.prompt_logprobs == [None]
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=5)
+    with pytest.raises(InvalidRequestError, match="at least 2"):
+        perplexity(llm, [1])
+
+
+def test_greedy_agreement_counts_up_to_first_divergence() -> None:
+    a = greedy_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
+    assert a.token_agreement == pytest.approx(4 / 6)
+    assert (a.exact_matches, a.num_prompts) == (1, 2)
+    assert greedy_agreement([[1, 2]], [[1, 2]]).token_agreement == 1.0
+    with pytest.raises(InvalidRequestError):
+        greedy_agreement([[1]], [])
