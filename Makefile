@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install clean redis-server
+.PHONY: run test lint install clean redis-server bench bench-peers
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,18 @@ test: $(STAMP) redis-server
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+# Every benchmark case (a long run: minutes per case), then the README's table and docs/bench/.
+bench: $(STAMP)
+	$(BIN)/kvstack bench all --out bench-results
+	$(BIN)/kvstack bench report --out bench-results
+
+# llama.cpp as a peer: llama-cpp-python compiles llama.cpp on install (about 8 minutes), so
+# only this target installs it, never `make test`.
+bench-peers: $(STAMP)
+	$(BIN)/pip install -q -e '.[llamacpp]'
+	$(BIN)/kvstack bench peers --out bench-results
+	$(BIN)/kvstack bench report --out bench-results
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -16,13 +16,14 @@ import torch
 from conftest import EMBEDDED, cached_checkpoint
 from helpers.tiny_models import make_tiny_hf_folder
 
-from kvstack.bench import cache, common
+from kvstack.bench import cache, common, report
 from kvstack.bench import cli as bench_cli
 from kvstack.bench.common import BenchOptions, Subject, distinct_prompts
+from kvstack.bench.peers import case as peers_case
 from kvstack.bench.pressure import constrained_blocks
 from kvstack.cli.main import main
 
-CASES = ("cache", "throughput", "prefix", "pressure")
+CASES = ("cache", "throughput", "prefix", "pressure", "ttft", "peers")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,7 +54,7 @@ def positive(value: Any) -> bool:
 def all_results(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("results")
     with pytest.MonkeyPatch.context() as patch:
-        # `all` runs whatever cases are registered; this module covers these four.
+        # `all` runs whatever cases are registered; this module covers these.
         patch.setattr(bench_cli, "CASES", {case: bench_cli.CASES[case] for case in CASES})
         code = main(["bench", "all", "--quick", "--model", tiny_model, "--threads", "1",
                      "--out", str(out), "--no-progress"])
@@ -75,6 +76,12 @@ def test_all_writes_one_json_per_case_with_plots(all_results: dict[str, Any]) ->
         assert data["plots"]
         for plot in data["plots"]:
             assert (out / plot).read_bytes().startswith(b"\x89PNG")
+        # Rows for the README's table: display text, a workload and our figure at least.
+        assert data["table"]
+        for row in data["table"]:
+            assert set(row) == {"workload", "kvstack", "peer", "speedup"}
+            assert row["workload"] and row["kvstack"]
+    assert all_results["cache"]["plots"] == ["cache_latency.png", "cache_total_time.png"]
 
 
 def test_cache_case_times_four_runs_and_compares(all_results: dict[str, Any]) -> None:
@@ -131,6 +138,84 @@ def test_pressure_case_preempts_and_finishes_every_request(all_results: dict[str
         assert run["num_complete"] == n and run["num_failed"] == 0
     assert positive(r["throughput_ratio"])
     assert isinstance(r["all_identical"], bool)
+
+
+def test_ttft_case_has_cold_and_hit_per_length(all_results: dict[str, Any]) -> None:
+    data = all_results["ttft"]
+    rows = data["results"]["lengths"]
+    assert [r["target_tokens"] for r in rows] == data["config"]["prompt_tokens"]
+    assert data["plots"] == ["ttft.png"]
+    for r in rows:
+        assert r["prompt_tokens"] == r["target_tokens"]
+        ours, theirs = r["ours"], r["transformers"]
+        for side in (ours, theirs):
+            assert positive(side["cold_ttft_s"]) and positive(side["hit_ttft_s"])
+            assert positive(side["cold_prefill_tok_s"])
+        assert ours["cold_num_cached_tokens"] == 0
+        # The document's full blocks, and no more: the question is never cached.
+        assert ours["hit_num_cached_tokens"] == r["document_tokens"] // 16 * 16 > 0
+        assert ours["hit_equals_cold"] is True
+        assert positive(r["cold_speedup_over_transformers"])
+        assert positive(r["hit_speedup_over_transformers"])
+    assert len(data["table"]) == len(rows)
+
+
+def test_peers_case_runs_every_engine_and_reports_ratios(all_results: dict[str, Any]) -> None:
+    data = all_results["peers"]
+    results, config = data["results"], data["config"]
+    engines = results["engines"]
+    assert list(engines) == ["kvstack_float32", "kvstack_bfloat16", "kvstack_int8",
+                             "transformers", "llamacpp"]
+    # The tiny model is a safetensors folder: llama.cpp (GGUF only) never runs on it.
+    assert engines["llamacpp"]["skipped"]
+    assert "llama.cpp: skipped" in data["summary"]
+    ran = {k: e for k, e in engines.items() if "skipped" not in e}
+    assert {"kvstack_float32", "kvstack_bfloat16", "transformers"} <= set(ran)
+    bandwidth = results["machine_read_bandwidth_bytes_per_s"]
+    assert positive(bandwidth)
+    for name, e in ran.items():
+        d = e["decode"]
+        assert d["num_new_tokens"] == len(d["token_ids"]) == config["decode"]["new_tokens"]
+        assert positive(d["decode_tok_s"]) and positive(e["prefill"]["prefill_tok_s"])
+        assert positive(e["batch"]["output_tok_s"])
+        assert e["batch"]["output_tokens"] == (config["batch"]["num_prompts"]
+                                               * config["batch"]["new_tokens"])
+        assert d["bytes_per_step"] > e["weight_bytes"] > 0, name
+        assert d["bandwidth_bytes_per_s"] == pytest.approx(d["bytes_per_step"]
+                                                           * d["decode_tok_s"])
+        assert d["bandwidth_fraction"] == pytest.approx(d["bandwidth_bytes_per_s"] / bandwidth)
+    # Same float32 weights and greedy decoding: transformers picks our tokens.
+    n = config["decode"]["new_tokens"]
+    assert results["token_reference"] == "kvstack_float32"
+    assert ran["transformers"]["decode"]["matching_tokens_vs_reference"] == n
+    # bfloat16 holds half the bytes of float32 per weight.
+    assert ran["kvstack_bfloat16"]["weight_bytes"] * 2 == ran["kvstack_float32"]["weight_bytes"]
+    for ours in (k for k in ran if k.startswith("kvstack_")):
+        r = results["ratios"][ours]
+        for workload in ("decode", "prefill", "batch"):
+            assert positive(r[f"{workload}_over_transformers"])
+            assert r[f"{workload}_over_llamacpp"] is None
+    assert data["plots"] == ["peers.png"]
+
+
+def test_peers_formats_follow_the_options(monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    one = BenchOptions(model="m", threads=1, out=tmp_path, dtype="bfloat16")
+    assert peers_case.engine_formats(one) == {"bfloat16": {}}
+    monkeypatch.setattr(peers_case, "supports_quantization", lambda: False)
+    formats = peers_case.engine_formats(BenchOptions(model="m", threads=1, out=tmp_path))
+    assert formats["float32"] == {"dtype": "float32"}
+    assert "no `quantization`" in formats["int8"]
+
+
+def test_quantization_the_engine_lacks_is_a_user_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tiny_model: str
+) -> None:
+    monkeypatch.setattr(common, "supports_quantization", lambda: False)
+    code, lines, err = bench(capsys, "cache", "--quick", "--model", tiny_model,
+                             "--quantization", "int8")
+    assert code == 2 and lines == []
+    assert "--quantization" in err and err.count("\n") == 1
 
 
 def test_one_case_alone_and_peer_max_batch(
@@ -233,3 +318,93 @@ def test_serve_case_loads_a_live_server_over_http(
     assert lines[-1] == data["summary"]
     assert data["results"]["overall"]["num_complete"] == 2 * sum(config["requests_per_level"])
     assert (tmp_path / data["plots"][0]).read_bytes().startswith(b"\x89PNG")
+
+
+# -- the README report ---------------------------------------------------------------------------
+
+README = """# Project
+
+Intro text | with a pipe.
+
+## Benchmarks
+
+Hand-written words before the table.
+
+<!-- bench:start -->
+| old | table |
+<!-- bench:end -->
+
+Hand-written words after the table.
+"""
+
+
+def fake_result(out: Path, case: str, plot: str, load: float) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / plot).write_bytes(b"\x89PNG fake")
+    (out / f"{case}.json").write_text(json.dumps({
+        "case": case,
+        "summary": f"{case}: the one-line summary",
+        "created": "2026-12-01T10:00:00+00:00",
+        "machine": {"cpu": "Test CPU 9000", "logical_cpus": 2, "threads": 2,
+                    "load_average": [load, 1.0, 1.0], "torch": "2.13.0",
+                    "transformers": "4.99", "kvstack": "0.1.0"},
+        "config": {"quick": False},
+        "results": {},
+        "plots": [plot],
+        "table": [{"workload": f"{case} workload", "kvstack": "18.5 tok/s",
+                   "peer": "transformers 14.9 tok/s", "speedup": "1.24x"},
+                  {"workload": "a | piped cell", "kvstack": "1", "peer": "", "speedup": ""}],
+    }))
+
+
+def test_report_rewrites_only_the_marked_section(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out, readme, plots = tmp_path / "results", tmp_path / "README.md", tmp_path / "docs" / "bench"
+    readme.write_text(README)
+    fake_result(out, "cache", "cache_latency.png", 0.5)
+    fake_result(out, "peers", "peers.png", 3.5)
+    code, lines, _ = bench(capsys, "report", "--out", str(out), "--readme", str(readme),
+                           "--plots-dir", str(plots))
+    assert code == 0 and len(lines) == 1 and "2 cases (cache, peers)" in lines[0]
+    text = readme.read_text()
+    before, rest = text.split(report.START)
+    section, after = rest.split(report.END)
+    assert before == README.split(report.START)[0]
+    assert after == README.split(report.END)[1]
+    assert "| old | table |" not in section
+    assert "2026-12-01" in section and "Test CPU 9000" in section and "2 torch threads" in section
+    row = "| `bench cache` | cache workload | 18.5 tok/s | transformers 14.9 tok/s | 1.24x | 0.5 |"
+    assert row in section
+    assert "| `bench peers` | peers workload |" in section and "| 3.5 |" in section
+    assert "a \\| piped cell" in section
+    assert "[cache_latency](docs/bench/cache_latency.png)" in section
+    assert "cache: the one-line summary" in section
+    assert sorted(p.name for p in plots.iterdir()) == ["cache_latency.png", "peers.png"]
+    # Rewriting again from the same results changes nothing.
+    assert bench(capsys, "report", "--out", str(out), "--readme", str(readme),
+                 "--plots-dir", str(plots))[0] == 0
+    assert readme.read_text() == text
+
+
+@pytest.mark.parametrize(
+    ("readme_text", "with_results", "mentions"),
+    [
+        ("# no markers here\n", True, "<!-- bench:start -->"),
+        (README.replace(report.END, ""), True, "<!-- bench:end -->"),
+        (README, False, "kvstack bench all"),
+    ],
+)
+def test_report_errors_are_one_line_and_leave_the_readme_alone(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, readme_text: str, with_results: bool,
+    mentions: str
+) -> None:
+    out, readme = tmp_path / "results", tmp_path / "README.md"
+    readme.write_text(readme_text)
+    if with_results:
+        fake_result(out, "cache", "cache_latency.png", 0.5)
+    code, lines, err = bench(capsys, "report", "--out", str(out), "--readme", str(readme),
+                             "--plots-dir", str(tmp_path / "plots"))
+    assert code == 2 and lines == []
+    assert mentions in err and err.count("\n") == 1
+    assert readme.read_text() == readme_text

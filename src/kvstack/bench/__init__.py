@@ -1,6 +1,9 @@
-"""`kvstack bench`: benchmarks of the KV-cache stack against transformers, in the same run.
+"""`kvstack bench`: benchmarks of the KV-cache stack against its peers, in the same run.
 
-Each case prints one summary line, writes `<out>/<case>.json` and a PNG plot:
-`cache` (decode with and without the KV cache), `throughput` (output tok/s vs concurrency),
-`prefix` (TTFT with a cached document) and `pressure` (a third of the KV memory it needs).
+Each case prints one summary line, writes `<out>/<case>.json` and PNG plots: `cache` (decode
+with and without the KV cache), `throughput` (output tok/s vs concurrency), `prefix` (TTFT with
+a cached document), `pressure` (a third of the KV memory it needs), `tiers` (KV restored from
+disk and Redis), `serve` (HTTP load), `ttft` (TTFT vs prompt length) and `peers` (transformers
+and llama.cpp in every weight format, with decode memory bandwidth). `report` rewrites the
+README's benchmark section from the JSON.
 """

@@ -3,7 +3,8 @@
 One chat prompt, greedy, a fixed number of new tokens. Our engine with the KV cache and without
 it (every step recomputes the whole sequence), and transformers' `generate` with `use_cache`
 on and off, in the same run. Without a cache the per-token latency climbs with the position;
-with one it stays flat.
+with one it stays flat. Two plots: per-token latency against position, and the total time to
+produce the first N new tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from kvstack.bench.common import (
     BenchOptions,
     CaseResult,
     Subject,
+    TableRow,
     common_prefix,
     fmt,
     fmt_x,
@@ -23,7 +25,7 @@ from kvstack.bench.common import (
     ratio,
     save_figure,
 )
-from kvstack.bench.peers import PeerRun
+from kvstack.bench.peers.hf import PeerRun
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 
@@ -62,7 +64,8 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
                                                       ours["no_kv_cache"]["token_ids"]),
         "ours_vs_transformers": common_prefix(cached_ids, peer["kv_cache"]["token_ids"]),
     }
-    plot = _plot(options, len(prompt), ours, peer)
+    plots = [_plot_latency(options, len(prompt), ours, peer),
+             _plot_total(options, len(prompt), ours, peer)]
     summary = (
         f"cache: {len(prompt)}-token prompt, {new_tokens} new tokens, {options.threads} threads"
         f" | ours {fmt(ours['kv_cache']['decode_tok_s'])} tok/s with KV cache, "
@@ -84,11 +87,33 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         summary=summary,
         config={"model": options.model, "quick": options.quick, "question": QUESTION,
                 "prompt_tokens": len(prompt), "new_tokens": new_tokens, "greedy": True,
-                "ignore_eos": True, "dtype": "float32"},
+                "ignore_eos": True, "weights": subject.weight_format,
+                "transformers_dtype": "float32"},
         results={"ours": ours, "transformers": peer, "ratios": ratios,
                  "matching_tokens": agreement},
-        plots=[plot],
+        plots=plots,
+        table=_table(len(prompt), new_tokens, ours, peer, ratios),
     )
+
+
+def _table(prompt_len: int, new_tokens: int, ours: dict[str, Any], peer: dict[str, Any],
+           ratios: dict[str, float | None]) -> list[TableRow]:
+    rows = [
+        TableRow(f"decode tok/s, {prompt_len}-token chat prompt, {new_tokens} new tokens, "
+                 f"{label}", fmt(ours[key]["decode_tok_s"]),
+                 f"transformers {fmt(peer[key]['decode_tok_s'])}",
+                 fmt_x(ratios[f"ours_over_transformers_decode_{key}"]))
+        for key, label in (("kv_cache", "KV cache"), ("no_kv_cache", "no KV cache"))
+    ]
+    rows.append(TableRow(
+        f"total time for {new_tokens} new tokens, KV cache / no KV cache",
+        f"{fmt(ours['kv_cache']['total_s'], 2)} s / {fmt(ours['no_kv_cache']['total_s'], 2)} s",
+        f"transformers {fmt(peer['kv_cache']['total_s'], 2)} s / "
+        f"{fmt(peer['no_kv_cache']['total_s'], 2)} s",
+        f"{fmt_x(ratio(peer['kv_cache']['total_s'], ours['kv_cache']['total_s']))} / "
+        f"{fmt_x(ratio(peer['no_kv_cache']['total_s'], ours['no_kv_cache']['total_s']))}",
+    ))
+    return rows
 
 
 def _ours(subject: Subject, options: BenchOptions, prompt: list[int], new_tokens: int,
@@ -153,14 +178,18 @@ def _record(token_ids: list[int], ttft: float | None, total: float, latencies: l
     }
 
 
-def _plot(options: BenchOptions, prompt_len: int, ours: dict[str, Any],
-          peer: dict[str, Any]) -> str:
+_SERIES = (("kvstack", "-"), ("transformers", "--"))
+_MODES = (("kv_cache", "KV cache"), ("no_kv_cache", "no KV cache"))
+
+
+def _plot_latency(options: BenchOptions, prompt_len: int, ours: dict[str, Any],
+                  peer: dict[str, Any]) -> str:
     fig, ax = new_figure(
         f"Per-token latency vs position ({prompt_len}-token prompt, {options.threads} threads)",
         "context length (tokens)", "time per token (ms)",
     )
-    for name, runs, style in (("kvstack", ours, "-"), ("transformers", peer, "--")):
-        for key, label in (("kv_cache", "KV cache"), ("no_kv_cache", "no KV cache")):
+    for (name, style), runs in zip(_SERIES, (ours, peer), strict=True):
+        for key, label in _MODES:
             run = runs[key]
             ax.plot(run["context_tokens"], run["inter_token_latencies_ms"], style,
                     label=f"{name}, {label}", color="C0" if key == "kv_cache" else "C3",
@@ -168,3 +197,26 @@ def _plot(options: BenchOptions, prompt_len: int, ours: dict[str, Any],
     ax.set_ylim(bottom=0)
     ax.legend()
     return save_figure(fig, options, "cache_latency.png")
+
+
+def _plot_total(options: BenchOptions, prompt_len: int, ours: dict[str, Any],
+                peer: dict[str, Any]) -> str:
+    """Seconds from the request to its N-th new token: TTFT, then the running sum of the
+    per-token latencies."""
+    fig, ax = new_figure(
+        f"Total time for N new tokens ({prompt_len}-token prompt, {options.threads} threads)",
+        "new tokens generated (N)", "time since the request (s)",
+    )
+    for (name, style), runs in zip(_SERIES, (ours, peer), strict=True):
+        for key, label in _MODES:
+            run = runs[key]
+            elapsed = [run["ttft_s"]]
+            for ms in run["inter_token_latencies_ms"]:
+                elapsed.append(elapsed[-1] + ms / 1000)
+            ax.plot(range(1, len(elapsed) + 1), elapsed, style, label=f"{name}, {label}",
+                    color="C0" if key == "kv_cache" else "C3",
+                    alpha=1.0 if name == "kvstack" else 0.6)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    return save_figure(fig, options, "cache_total_time.png")

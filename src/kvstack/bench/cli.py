@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,13 @@ CASES = {
     "pressure": "throughput in a third of the KV memory needed: preemptions, correctness",
     "tiers": "TTFT of a ~2,000-token document cold vs from disk / Redis in fresh processes",
     "serve": "HTTP load on `kvstack serve`: req/s, TTFT and TPOT at 1-32 streaming clients",
+    "ttft": "TTFT vs prompt length (128-4096 tokens), cold and with a prefix hit",
+    "peers": "decode, prefill and batch-32 tok/s vs transformers and llama.cpp; decode "
+             "memory bandwidth",
 }
+# The KV-memory case lands separately; `all` and the report pick it up once it exists.
+if importlib.util.find_spec("kvstack.bench.memory") is not None:
+    CASES["memory"] = "KV cache memory and quality per KV cache dtype"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -41,6 +48,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     shared.add_argument("--quick", action="store_true",
                         help="tiny sizes (few tokens, low concurrency): a smoke run")
     shared.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    shared.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="our engine's weights and KV dtype (transformers stays float32); "
+                        "default float32, and `peers` runs every format")
+    shared.add_argument("--quantization", default=None, metavar="NAME",
+                        help="our engine's weight-only quantization, e.g. int8, where the "
+                        "engine offers it")
     peer_batch = argparse.ArgumentParser(add_help=False)
     peer_batch.add_argument("--peer-max-batch", type=positive_int, default=None, metavar="N",
                             help="throughput: run transformers only up to this concurrency "
@@ -57,11 +70,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     cases.add_parser("all", help="every case in order: " + ", ".join(CASES),
                      description="Run " + ", ".join(CASES) + " in order, loading the model once.",
                      parents=[shared, peer_batch])
+    report = cases.add_parser(
+        "report", help="rewrite the README's benchmark section from the JSON in --out",
+        description="Read <out>/<case>.json of every case that ran, copy their plots to "
+        "--plots-dir and rewrite the part of --readme between <!-- bench:start --> and "
+        "<!-- bench:end --> with a table of the results (date, machine, threads, load).")
+    report.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
+                        help="folder holding the cases' JSON and plots")
+    report.add_argument("--readme", type=Path, default=Path("README.md"), metavar="FILE",
+                        help="the Markdown file whose benchmark section is rewritten")
+    report.add_argument("--plots-dir", type=Path, default=Path("docs/bench"), metavar="DIR",
+                        help="where the plots are copied, to be committed with the README")
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.case == "report":
+        from kvstack.bench.report import write_report
+
+        print(write_report(args.out, args.readme, args.plots_dir, list(CASES)))
+        return 0
     from kvstack.bench.common import BenchOptions, Subject, check_dependencies, report
 
     check_dependencies()
@@ -73,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         peer_max_batch=getattr(args, "peer_max_batch", None),
         show_progress=not args.no_progress,
         url=getattr(args, "url", None),
+        dtype=args.dtype,
+        quantization=args.quantization,
     )
     names = list(CASES) if args.case == "all" else [args.case]
     subject = Subject(options)

@@ -6,19 +6,21 @@ A case returns a `CaseResult`; `report` prints its one summary line (stdout) and
     {"case": ..., "summary": "<the printed line>", "created": ISO time,
      "machine": {cpu, logical_cpus, threads, load_average, torch, transformers, python, ...},
      "config": {what was run: model, sizes, quick}, "results": {case-specific numbers},
-     "plots": [PNG file names beside the JSON]}
+     "plots": [PNG file names beside the JSON],
+     "table": [{"workload", "kvstack", "peer", "speedup"}: rows for the README's table]}
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import os
 import platform
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from tqdm import tqdm
 
-    from kvstack.bench.peers import TransformersPeer
+    from kvstack.bench.peers.hf import TransformersPeer
 
 
 class MissingBenchDependencyError(KvstackError):
@@ -51,6 +53,26 @@ class BenchOptions:
     peer_max_batch: int | None = None  # throughput: largest batch the peer runs (None = all)
     show_progress: bool = True
     url: str | None = None  # serve: load this running server instead of starting one
+    # Our engine's weight format (None: float32; `bench peers` then runs every format).
+    dtype: str | None = None
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and not supports_quantization():
+            raise InvalidRequestError(
+                "this kvstack's engine has no weight quantization yet; leave out --quantization"
+            )
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """One line of the README's benchmark table: a workload, our figure, the peer's, and how
+    many times faster we are (> 1: kvstack wins), all as display text."""
+
+    workload: str
+    kvstack: str
+    peer: str = ""
+    speedup: str = ""
 
 
 @dataclass
@@ -60,6 +82,7 @@ class CaseResult:
     config: dict[str, Any]
     results: dict[str, Any]
     plots: list[str] = field(default_factory=list)
+    table: list[TableRow] = field(default_factory=list)
 
 
 class Subject:
@@ -84,18 +107,28 @@ class Subject:
     def max_model_len(self) -> int:
         return self.checkpoint.config.max_model_len
 
-    def kv_shape(self, dtype: str = "float32") -> KVShape:
-        return KVShape.of(self.checkpoint.config, dtype)
+    @property
+    def weight_format(self) -> str:
+        """Our engine's weights in this run: `float32`, `bfloat16` or a quantization."""
+        return self.options.quantization or self.options.dtype or "float32"
+
+    def kv_shape(self, dtype: str | None = None) -> KVShape:
+        return KVShape.of(self.checkpoint.config, dtype or self.options.dtype or "float32")
 
     def llm(self, **kwargs: Any) -> LLM:
-        """An engine on this model in float32 with the run's thread count; kwargs go to `LLM`."""
+        """An engine on this model in the run's weight format (--dtype, --quantization) and
+        thread count; kwargs go to `LLM` and override both."""
         torch.set_num_threads(self.options.threads)
-        return LLM(model=self.options.model, dtype="float32", num_threads=self.options.threads,
-                   skip_tokenizer_init=self.tokenizer is None, **kwargs)
+        engine_args: dict[str, Any] = {"dtype": self.options.dtype or "float32"}
+        if self.options.quantization is not None:
+            engine_args["quantization"] = self.options.quantization
+        engine_args |= kwargs
+        return LLM(model=self.options.model, num_threads=self.options.threads,
+                   skip_tokenizer_init=self.tokenizer is None, **engine_args)
 
     def peer(self) -> TransformersPeer:
         """The transformers model with our weights, built on first use."""
-        from kvstack.bench.peers import TransformersPeer
+        from kvstack.bench.peers.hf import TransformersPeer
 
         torch.set_num_threads(self.options.threads)
         if self._peer is None:
@@ -125,6 +158,11 @@ class Subject:
                 f"{what} needs {num_tokens} tokens of context but {self.options.model} has "
                 f"{self.max_model_len}; use --quick or a model with a longer context"
             )
+
+
+def supports_quantization() -> bool:
+    """Whether `LLM` takes `quantization=` (weight-only int8 and the like)."""
+    return "quantization" in inspect.signature(LLM).parameters
 
 
 def topic_texts() -> list[str]:
@@ -264,6 +302,16 @@ def new_figure(title: str, xlabel: str, ylabel: str) -> tuple[Figure, Any]:
     return fig, ax
 
 
+def log_scale_y(ax: Any) -> None:
+    """A log y axis labelled in plain numbers at 1-2-5 steps (no 4x10^0 minor labels)."""
+    from matplotlib.ticker import LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(lambda value, _: f"{value:g}")
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def save_figure(fig: Figure, options: BenchOptions, name: str) -> str:
     options.out.mkdir(parents=True, exist_ok=True)
     fig.savefig(options.out / name, dpi=120)
@@ -281,6 +329,7 @@ def report(result: CaseResult, options: BenchOptions,
         "config": result.config,
         "results": result.results,
         "plots": result.plots,
+        "table": [asdict(row) for row in result.table],
     }
     options.out.mkdir(parents=True, exist_ok=True)
     path = options.out / f"{result.case}.json"

@@ -15,9 +15,11 @@ from kvstack.bench.common import (
     BenchOptions,
     CaseResult,
     Subject,
+    TableRow,
     fmt,
     fmt_ms,
     fmt_x,
+    log_scale_y,
     median,
     new_figure,
     progress,
@@ -156,11 +158,21 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         summary=summary,
         config={"model": options.model, "quick": options.quick, "document_tokens": len(doc),
                 "document_source": "pydoc_data.topics", "questions": list(questions),
-                "primer": PRIMER, "new_tokens": new_tokens, "greedy": True, "dtype": "float32"},
+                "primer": PRIMER, "new_tokens": new_tokens, "greedy": True,
+                "weights": subject.weight_format, "transformers_dtype": "float32"},
         results={"questions": rows, "aggregate": agg,
                  "ours_primer": {"ttft_s": primed["ttft_s"], "prompt_tokens": len(primer)},
                  "transformers_document_prefill_s": peer_prefill_s},
         plots=[plot],
+        table=[TableRow(
+            f"TTFT, {len(doc)}-token document + question, cold / prefix hit (median of "
+            f"{len(rows)} questions)",
+            f"{fmt_ms(o['median_cold_ttft_s'])} / {fmt_ms(o['median_warm_ttft_s'])}",
+            f"transformers {fmt_ms(t['median_cold_ttft_s'])} / "
+            f"{fmt_ms(t['median_warm_ttft_s'])} (copied DynamicCache)",
+            f"{fmt_x(agg['cold_ttft_transformers_over_ours'])} / "
+            f"{fmt_x(agg['warm_ttft_transformers_over_ours'])}",
+        )],
     )
 
 
@@ -182,7 +194,6 @@ def _plot(options: BenchOptions, rows: list[dict[str, Any]], doc_len: int) -> st
         ax.bar(xs, [r[side][f"{kind}_ttft_s"] * 1000 for r in rows], width, label=label,
                color=f"C{k}")
     ax.set_xticks(range(len(rows)), [f"Q{i + 1}" for i in range(len(rows))])
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(lambda value, _: f"{value:g}")
+    log_scale_y(ax)
     ax.legend(fontsize="small")
     return save_figure(fig, options, "prefix_ttft.png")

@@ -16,6 +16,7 @@ from kvstack.bench.common import (
     BenchOptions,
     CaseResult,
     Subject,
+    TableRow,
     distinct_prompts,
     fmt,
     fmt_x,
@@ -107,10 +108,17 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         config={"model": options.model, "quick": options.quick, "num_requests": n,
                 "prompt_tokens": prompt_len, "new_tokens": new_tokens, "block_size": block_size,
                 "needed_blocks": need_blocks, "constrained_blocks": budget_blocks,
-                "budget_fraction": f"1/{BUDGET_FRACTION}", "greedy": True, "dtype": "float32"},
+                "budget_fraction": f"1/{BUDGET_FRACTION}", "greedy": True,
+                "weights": subject.weight_format},
         results={**runs, "throughput_ratio": tput_ratio, "identical_outputs": identical,
                  "all_identical": identical == n},
         plots=[plot],
+        table=[TableRow(
+            f"{n} requests in {budget_blocks} of the {need_blocks} KV blocks they need",
+            f"{fmt(c['output_tok_s'], 0)} tok/s, {fmt_x(tput_ratio)} of unconstrained; "
+            f"{c['num_preemptions']} preemptions, {c['num_failed']} failed, "
+            f"{identical}/{n} outputs identical",
+        )],
     )
 
 

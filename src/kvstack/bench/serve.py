@@ -37,6 +37,7 @@ from kvstack.bench.common import (
     BenchOptions,
     CaseResult,
     Subject,
+    TableRow,
     fmt,
     fmt_ms,
     new_figure,
@@ -130,9 +131,20 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
                 "ignore_eos": True, "stream": True,
                 "server": {"url": options.url.rstrip("/")} if options.url else {
                     "started_by_benchmark": True, "threads": options.threads,
-                    "kv_cache_memory": kv_bytes, "dtype": "float32"}},
+                    "kv_cache_memory": kv_bytes, "weights": subject.weight_format}},
         results={"levels": rows, "overall": overall},
         plots=[plot],
+        table=[_table_row(r, max_tokens, system_len) for r in rows],
+    )
+
+
+def _table_row(row: dict[str, Any], max_tokens: int, system_len: int) -> TableRow:
+    none, shared = row["no_system_prompt"], row["shared_system_prompt"]
+    return TableRow(
+        f"HTTP streaming chat, {row['concurrency']} clients, {max_tokens}-token answers: "
+        f"req/s and TTFT p50, no system prompt / shared ~{system_len}-token system prompt",
+        f"{fmt(none['requests_per_s'], 2)} req/s, {fmt_ms(none['ttft_p50_s'])} / "
+        f"{fmt(shared['requests_per_s'], 2)} req/s, {fmt_ms(shared['ttft_p50_s'])}",
     )
 
 
@@ -177,7 +189,8 @@ def _target(options: BenchOptions, kv_bytes: int, max_num_seqs: int) -> Iterator
                     [sys.executable, "-m", "kvstack", "serve", "--model", options.model,
                      "--host", "127.0.0.1", "--port", str(port),
                      "--threads", str(options.threads), "--kv-cache-memory", str(kv_bytes),
-                     "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"],
+                     "--max-num-seqs", str(max_num_seqs), "--log-level", "warning",
+                     *_format_flags(options)],
                     stdout=log, stderr=subprocess.STDOUT, env=_same_kvstack_env())
             try:
                 url = f"http://127.0.0.1:{port}"
@@ -190,6 +203,12 @@ def _target(options: BenchOptions, kv_bytes: int, max_num_seqs: int) -> Iterator
             finally:
                 _stop(proc)
         raise RuntimeError("no free port found for kvstack serve")
+
+
+def _format_flags(options: BenchOptions) -> list[str]:
+    """`kvstack serve` flags for the run's weight format (none: the server's default)."""
+    flags = ["--dtype", options.dtype] if options.dtype else []
+    return flags + (["--quantization", options.quantization] if options.quantization else [])
 
 
 def _same_kvstack_env() -> dict[str, str]:

@@ -13,6 +13,7 @@ from kvstack.bench.common import (
     BenchOptions,
     CaseResult,
     Subject,
+    TableRow,
     distinct_prompts,
     fmt,
     fmt_x,
@@ -23,7 +24,7 @@ from kvstack.bench.common import (
     ratio,
     save_figure,
 )
-from kvstack.bench.peers import TransformersPeer
+from kvstack.bench.peers.hf import TransformersPeer
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 
@@ -91,9 +92,16 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
                 "prompt_tokens": prompt_len, "prompt_tokens_range": [min(map(len, prompts)),
                                                                      max(map(len, prompts))],
                 "new_tokens": new_tokens, "greedy": True, "ignore_eos": True,
-                "peer_max_batch": peer_max, "dtype": "float32"},
+                "peer_max_batch": peer_max, "weights": subject.weight_format,
+                "transformers_dtype": "float32"},
         results={"levels": rows},
         plots=[plot],
+        table=[TableRow(f"output tok/s, {r['concurrency']} concurrent ~{prompt_len}-token "
+                        f"prompts, {new_tokens} new tokens", fmt(r["ours"]["output_tok_s"]),
+                        "transformers " + fmt(r["transformers"]["output_tok_s"])
+                        if "transformers" in r else "not run",
+                        fmt_x(r["ours_over_transformers"]))
+               for r in rows],
     )
 
 

@@ -28,9 +28,11 @@ from kvstack.bench.common import (
     BenchOptions,
     CaseResult,
     Subject,
+    TableRow,
     fmt,
     fmt_ms,
     fmt_x,
+    log_scale_y,
     new_figure,
     progress,
     ratio,
@@ -62,8 +64,10 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         "model": options.model,
         "threads": options.threads,
         "skip_tokenizer_init": subject.tokenizer is None,
-        "engine": {"max_num_batched_tokens": max(2048, len(prompt)),
-                   "kv_cache_memory": subject.kv_shape().bytes_for(len(prompt) + 64, 2)},
+        "engine": {"dtype": options.dtype or "float32",
+                   "max_num_batched_tokens": max(2048, len(prompt)),
+                   "kv_cache_memory": subject.kv_shape().bytes_for(len(prompt) + 64, 2)}
+        | ({"quantization": options.quantization} if options.quantization else {}),
         "prompt": prompt,
         "warmup": prompt[-8:],
         "max_tokens": new_tokens,
@@ -114,10 +118,18 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         summary=summary,
         config={"model": options.model, "quick": options.quick, "document_tokens": len(doc),
                 "prompt_tokens": len(prompt), "question": QUESTION, "new_tokens": new_tokens,
-                "document_source": "pydoc_data.topics", "greedy": True, "dtype": "float32",
+                "document_source": "pydoc_data.topics", "greedy": True,
+                "weights": subject.weight_format,
                 "redis": "redis-server on loopback" if redis_url else None},
         results={name: _public(row) for name, row in rows.items()},
         plots=[plot],
+        table=[TableRow(
+            f"TTFT, {len(doc)}-token document + question: cold / disk hit / Redis hit "
+            "(fresh processes)",
+            " / ".join([fmt_ms(cold["ttft_s"]), fmt_ms(disk["ttft_s"]),
+                        "n/a" if redis is None else fmt_ms(redis["ttft_s"])]),
+            speedup=" / ".join(fmt_x(r["speedup"]) for r in hits) + " vs cold",
+        )],
     )
 
 
@@ -152,7 +164,7 @@ def _probe(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    with LLM(model=spec["model"], dtype="float32", num_threads=spec["threads"],
+    with LLM(model=spec["model"], num_threads=spec["threads"],
              skip_tokenizer_init=spec["skip_tokenizer_init"], **spec["engine"],
              **spec["tiers"]) as llm:
         return _measure(llm, spec, spec["tier"])
@@ -201,8 +213,7 @@ def _plot(options: BenchOptions, rows: dict[str, dict[str, Any] | None], doc_len
              if row is not None and row["ttft_s"] is not None]
     ax.bar([label for label, _ in shown], [ms for _, ms in shown],
            color=[f"C{i}" for i in range(len(shown))])
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(lambda value, _: f"{value:g}")
+    log_scale_y(ax)
     return save_figure(fig, options, "tiers_ttft.png")
 
 

@@ -1,4 +1,4 @@
-"""The peer: Hugging Face transformers running exactly our weights, driven through `generate`.
+"""Hugging Face transformers running exactly our weights, driven through `generate`.
 
 Both sides get the same token ids and decode greedily for a fixed number of tokens (the peer
 never stops at EOS, like our `ignore_eos=True`), so their outputs should agree token for token
