@@ -9,7 +9,8 @@ transformers (the same weights in float32) and on llama.cpp (the model's GGUF fi
 
 Decode reads every weight and the whole KV cache once per step, so it is bound by memory
 bandwidth: achieved = (weight bytes + KV bytes read per step) x steps/s, against this machine's
-read bandwidth measured in the same run (a sum over a 1 GiB tensor, best of 3).
+read bandwidth measured in the same run (a sum over a 1 GiB tensor, best of 3, before and
+after the engines).
 """
 
 from __future__ import annotations
@@ -26,32 +27,26 @@ from kvstack.bench.common import (
     BenchOptions,
     CaseResult,
     Subject,
-    TableRow,
     common_prefix,
     distinct_prompts,
-    fmt,
-    fmt_x,
     per_second,
     progress,
     ratio,
-    save_figure,
     supports_quantization,
 )
-from kvstack.bench.peers import llamacpp
+from kvstack.bench.peers import display, llamacpp
+from kvstack.bench.peers.display import PEERS, WORKLOADS, rate
 from kvstack.bench.peers.hf import PeerRun
 from kvstack.bench.prefix import document
 from kvstack.llm import LLM
 from kvstack.sampling_params import SamplingParams
 
-WORKLOADS = ("decode", "prefill", "batch")
 # Our engine's weight formats: name -> LLM keyword arguments.
 FORMATS: dict[str, dict[str, str]] = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
 }
-PEERS = ("transformers", "llamacpp")
-PEER_NAMES = {"transformers": "transformers", "llamacpp": "llama.cpp"}
 _BANDWIDTH_REPEATS = 3
 
 
@@ -121,7 +116,9 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     llamacpp_skip = llamacpp.unavailable_reason(options.model)
 
     torch.set_num_threads(options.threads)
-    bandwidth = measure_read_bandwidth(s.bandwidth_probe_bytes)
+    # Probed before and after the engines: other jobs' memory traffic lowers a probe, never
+    # raises it, so the better of the two is the closer estimate of the bound.
+    probes = [measure_read_bandwidth(s.bandwidth_probe_bytes)]
     engines: dict[str, dict[str, Any]] = {}
     total = 3 * (sum(isinstance(f, dict) for f in formats.values()) + 1) + 2 * (not llamacpp_skip)
     with progress(options, total, "peers") as bar:
@@ -135,6 +132,9 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         engines["transformers"] = _transformers(subject, work, bar)
         engines["llamacpp"] = ({"skipped": llamacpp_skip} if llamacpp_skip else
                                _llamacpp(subject, options, work, bar))
+    torch.set_num_threads(options.threads)
+    probes.append(measure_read_bandwidth(s.bandwidth_probe_bytes))
+    bandwidth = max(probes)
 
     # Greedy tokens are compared with our first format's (float32 unless --dtype says).
     reference = next(k for k in engines if "decode" in engines[k])
@@ -146,7 +146,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
             d["matching_tokens_vs_reference"] = common_prefix(
                 engines[reference]["decode"]["token_ids"], d["token_ids"])
     ratios = _ratios(engines)
-    plot = _plot(options, engines, bandwidth, work)
+    plot = display.plot(options, engines, bandwidth, work)
     config = {
         "model": options.model, "quick": options.quick, "threads": options.threads,
         "decode": {"question": QUESTION, "prompt_tokens": len(work.chat),
@@ -159,16 +159,17 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         "transformers_dtype": "float32",
         "llamacpp_weights": "the model's GGUF file as is (different weights and arithmetic)",
         "bandwidth_probe": f"torch.sum over {s.bandwidth_probe_bytes >> 20} MiB, best of "
-                           f"{_BANDWIDTH_REPEATS}",
+                           f"{_BANDWIDTH_REPEATS}, before and after the engines",
     }
     return CaseResult(
         case="peers",
-        summary=_summary(engines, ratios, bandwidth, work),
+        summary=display.summary(engines, ratios, bandwidth, work),
         config=config,
-        results={"machine_read_bandwidth_bytes_per_s": bandwidth, "engines": engines,
+        results={"machine_read_bandwidth_bytes_per_s": bandwidth,
+                 "machine_read_bandwidth_probes": probes, "engines": engines,
                  "ratios": ratios, "token_reference": reference},
         plots=[plot],
-        table=_table(engines, ratios, bandwidth, work),
+        table=display.table(engines, ratios, bandwidth, work),
     )
 
 
@@ -237,7 +238,8 @@ def _llamacpp(subject: Subject, options: BenchOptions, work: Workloads,
     ttfts = [peer.generate(work.document, 1).ttft for _ in range(2)]
     prefill = _prefill_record(len(work.document), min(ttfts))
     bar.update(1)
-    return {"weights": peer.path.name, "weight_bytes": peer.num_weight_bytes,
+    return {"weights": peer.path.name, "weight_type": peer.weight_type,
+            "weight_bytes": peer.num_weight_bytes,
             "kv_bytes_per_token": kv_bytes_per_token, "decode": decode, "prefill": prefill,
             "batch": {"skipped": "llama.cpp runs single streams in this benchmark"}}
 
@@ -281,155 +283,11 @@ def _batch_record(output_tokens: int, elapsed: float) -> dict[str, Any]:
             "output_tok_s": per_second(output_tokens, elapsed)}
 
 
-_METRIC = {"decode": "decode_tok_s", "prefill": "prefill_tok_s", "batch": "output_tok_s"}
-
-
-def _rate(engine: dict[str, Any], workload: str) -> float | None:
-    return engine.get(workload, {}).get(_METRIC[workload])
-
-
 def _ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """ours / peer for every (our format, peer, workload): > 1 means kvstack is faster."""
     return {
-        ours: {f"{workload}_over_{peer}": ratio(_rate(engines[ours], workload),
-                                               _rate(engines[peer], workload))
+        ours: {f"{workload}_over_{peer}": ratio(rate(engines[ours], workload),
+                                               rate(engines[peer], workload))
                for peer in PEERS for workload in WORKLOADS}
         for ours in engines if ours.startswith("kvstack_")
     }
-
-
-# -- reporting --------------------------------------------------------------------------------
-
-
-def _ours_names(engines: dict[str, dict[str, Any]]) -> list[str]:
-    return [k for k in engines if k.startswith("kvstack_")]
-
-
-def _summary(engines: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float | None]],
-             bandwidth: float, work: Workloads) -> str:
-    s = work.sizes
-    parts = [
-        f"peers: decode tok/s ({len(work.chat)}-token prompt, {s.decode_new_tokens} new), "
-        f"prefill tok/s ({len(work.document)} tokens), batch-{s.batch} output tok/s; "
-        f"x = ours/theirs (transformers fp32, llama.cpp GGUF); bandwidth of "
-        f"{fmt(bandwidth / 1e9)} GB/s measured"
-    ]
-    for key in _ours_names(engines):
-        e, r = engines[key], ratios.get(key, {})
-        name = key.removeprefix("kvstack_")
-        if "skipped" in e:
-            parts.append(f"ours {name}: skipped ({e['skipped']})")
-            continue
-        parts.append(
-            f"ours {name}: decode {fmt(_rate(e, 'decode'))} "
-            f"({fmt_x(r['decode_over_transformers'])}, {fmt_x(r['decode_over_llamacpp'])}), "
-            f"prefill {fmt(_rate(e, 'prefill'), 0)} ({fmt_x(r['prefill_over_transformers'])}, "
-            f"{fmt_x(r['prefill_over_llamacpp'])}), batch {fmt(_rate(e, 'batch'), 0)} "
-            f"({fmt_x(r['batch_over_transformers'])}), decode at "
-            f"{fmt(e['decode']['bandwidth_fraction'] * 100, 0)}% of bandwidth"
-        )
-    t = engines["transformers"]
-    parts.append(f"transformers: decode {fmt(_rate(t, 'decode'))}, prefill "
-                 f"{fmt(_rate(t, 'prefill'), 0)}, batch {fmt(_rate(t, 'batch'), 0)}")
-    llama = engines["llamacpp"]
-    if "skipped" in llama:
-        parts.append(f"llama.cpp: skipped ({llama['skipped']})")
-    else:
-        parts.append(f"llama.cpp ({llama['weights']}): decode {fmt(_rate(llama, 'decode'))}, "
-                     f"prefill {fmt(_rate(llama, 'prefill'), 0)}, decode at "
-                     f"{fmt(llama['decode']['bandwidth_fraction'] * 100, 0)}% of bandwidth")
-    return " | ".join(parts)
-
-
-def _table(engines: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float | None]],
-           bandwidth: float, work: Workloads) -> list[TableRow]:
-    s = work.sizes
-    llama = engines["llamacpp"]
-    llama_label = "llama.cpp" if "skipped" in llama else f"llama.cpp ({llama['weights']})"
-    titles = {
-        "decode": f"decode tok/s, 1 stream, {len(work.chat)}-token prompt, "
-                  f"{s.decode_new_tokens} new tokens",
-        "prefill": f"prefill tok/s, {len(work.document)}-token prompt (TTFT)",
-        "batch": f"output tok/s, batch of {s.batch} ~{s.batch_prompt_tokens}-token prompts, "
-                 f"{s.batch_new_tokens} new tokens",
-    }
-    rows = []
-    for workload in WORKLOADS:
-        for key in _ours_names(engines):
-            e, r = engines[key], ratios.get(key, {})
-            name = key.removeprefix("kvstack_")
-            if "skipped" in e:
-                rows.append(TableRow(f"{titles[workload]}, {name}", "not run: " + e["skipped"]))
-                continue
-            peers, speedups = [], []
-            for peer in PEERS:
-                value = _rate(engines[peer], workload)
-                if value is not None:
-                    label = llama_label if peer == "llamacpp" else "transformers fp32"
-                    peers.append(f"{label} {fmt(value)}")
-                    speedups.append(fmt_x(r[f"{workload}_over_{peer}"]))
-            rows.append(TableRow(f"{titles[workload]}, {name}", fmt(_rate(e, workload)),
-                                 "; ".join(peers), "; ".join(speedups)))
-    for key in _ours_names(engines):
-        e = engines[key]
-        if "skipped" in e:
-            continue
-        peers = [f"{llama_label if p == 'llamacpp' else 'transformers'} "
-                 f"{_bandwidth_text(engines[p])}"
-                 for p in PEERS if "decode" in engines[p]]
-        rows.append(TableRow(f"decode memory bandwidth, {key.removeprefix('kvstack_')} "
-                             f"(machine: {fmt(bandwidth / 1e9)} GB/s measured)",
-                             _bandwidth_text(e), "; ".join(peers)))
-    return rows
-
-
-def _bandwidth_text(engine: dict[str, Any]) -> str:
-    d = engine["decode"]
-    percent = fmt(d["bandwidth_fraction"] * 100, 0)
-    return f"{fmt(d['bandwidth_bytes_per_s'] / 1e9)} GB/s ({percent}% of measured)"
-
-
-def _plot(options: BenchOptions, engines: dict[str, dict[str, Any]], bandwidth: float,
-          work: Workloads) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    labels = {k: (f"kvstack {k.removeprefix('kvstack_')}" if k.startswith("kvstack_")
-                  else PEER_NAMES[k]) for k in engines}
-    ran = [k for k in engines if "skipped" not in engines[k]]
-    colors = {k: f"C{i}" for i, k in enumerate(engines)}
-    fig = Figure(figsize=(11, 7), layout="constrained")
-    skipped = [labels[k] for k in engines if k not in ran]
-    fig.suptitle(f"kvstack vs its peers, {options.threads} threads"
-                 + (f" (not run: {', '.join(skipped)})" if skipped else ""))
-    axes = fig.subplots(2, 2).flatten()
-    s = work.sizes
-    panels = (
-        ("decode", f"decode tok/s (1 stream, {s.decode_new_tokens} tokens)"),
-        ("prefill", f"prefill tok/s ({len(work.document)}-token prompt)"),
-        ("batch", f"output tok/s (batch of {s.batch})"),
-    )
-    for ax, (workload, title) in zip(axes, panels, strict=False):
-        keys = [k for k in ran if _rate(engines[k], workload) is not None]
-        bars = ax.bar([labels[k] for k in keys], [_rate(engines[k], workload) for k in keys],
-                      color=[colors[k] for k in keys])
-        ax.bar_label(bars, [fmt(_rate(engines[k], workload), 0) for k in keys],
-                     fontsize="small")
-        ax.set_title(title)
-    ax = axes[3]
-    keys = [k for k in ran if "decode" in engines[k]]
-    bars = ax.bar([labels[k] for k in keys],
-                  [engines[k]["decode"]["bandwidth_bytes_per_s"] / 1e9 for k in keys],
-                  color=[colors[k] for k in keys])
-    ax.bar_label(bars, [f"{engines[k]['decode']['bandwidth_fraction'] * 100:.0f}%"
-                        for k in keys], fontsize="small")
-    ax.axhline(bandwidth / 1e9, color="k", linestyle="--", label="measured read bandwidth")
-    ax.set_title("decode: GB/s of weights + KV read")
-    ax.legend(fontsize="small")
-    for ax in axes:
-        ax.tick_params(axis="x", labelrotation=20, labelsize="small")
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.margins(y=0.15)
-    return save_figure(fig, options, "peers.png")

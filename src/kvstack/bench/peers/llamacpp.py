@@ -48,6 +48,17 @@ class LlamaCppPeer:
         """The GGUF file's size: its tensors, plus a header that is small beside them."""
         return self.path.stat().st_size
 
+    @property
+    def weight_type(self) -> str:
+        """The tensor type holding most of the file's bytes, e.g. Q4_1."""
+        import gguf
+
+        by_type: dict[str, int] = {}
+        for tensor in gguf.GGUFReader(self.path).tensors:
+            name = tensor.tensor_type.name
+            by_type[name] = by_type.get(name, 0) + int(tensor.n_bytes)
+        return max(by_type, key=lambda name: by_type[name])
+
     def generate(self, prompt: Sequence[int], max_new_tokens: int) -> PeerRun:
         """Greedy decoding of `max_new_tokens` tokens (never stopping at EOS)."""
         self.llm.reset()  # no reuse of the previous run's tokens: a cold prefill
