@@ -208,6 +208,17 @@ def test_peers_formats_follow_the_options(monkeypatch: pytest.MonkeyPatch,
     assert "no `quantization`" in formats["int8"]
 
 
+def test_dtype_option_reaches_our_engine(
+    capsys: pytest.CaptureFixture[str], tiny_model: str, tmp_path: Path
+) -> None:
+    code, lines, _ = bench(capsys, "ttft", "--quick", "--model", tiny_model, "--threads", "1",
+                           "--out", str(tmp_path), "--no-progress", "--dtype", "bfloat16")
+    assert code == 0 and len(lines) == 1 and lines[0].startswith("ttft: ")
+    data = json.loads((tmp_path / "ttft.json").read_text())
+    assert data["config"]["weights"] == "bfloat16"
+    assert data["config"]["transformers_dtype"] == "float32"
+
+
 def test_quantization_the_engine_lacks_is_a_user_error(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tiny_model: str
 ) -> None:
