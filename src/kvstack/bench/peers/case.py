@@ -36,9 +36,7 @@ from kvstack.bench.common import (
 )
 from kvstack.bench.peers import display, llamacpp
 from kvstack.bench.peers.display import PEERS, WORKLOADS, rate
-from kvstack.bench.peers.hf import PeerRun
 from kvstack.bench.prefix import document
-from kvstack.llm import LLM
 from kvstack.sampling_params import SamplingParams
 
 # Our engine's weight formats: name -> LLM keyword arguments.
@@ -48,10 +46,14 @@ FORMATS: dict[str, dict[str, str]] = {
     "int8": {"quantization": "int8"},
 }
 _BANDWIDTH_REPEATS = 3
+# Each engine first runs a short request: lazy set-up (kernel builds, thread pools, first
+# allocations) is not billed to the measured runs.
+_WARMUP_TOKENS = 4
 
 
 @dataclass(frozen=True)
 class Sizes:
+    repeats: int  # runs of each workload on each engine; the best counts
     decode_new_tokens: int
     prefill_tokens: int
     batch: int
@@ -62,8 +64,8 @@ class Sizes:
 
 def sizes(quick: bool) -> Sizes:
     if quick:
-        return Sizes(4, 48, 2, 16, 4, 64 << 20)
-    return Sizes(128, 1800, 32, 128, 64, 1 << 30)
+        return Sizes(1, 4, 48, 2, 16, 4, 64 << 20)
+    return Sizes(2, 128, 1800, 32, 128, 64, 1 << 30)
 
 
 @dataclass
@@ -119,19 +121,25 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     # Probed before and after the engines: other jobs' memory traffic lowers a probe, never
     # raises it, so the better of the two is the closer estimate of the bound.
     probes = [measure_read_bandwidth(s.bandwidth_probe_bytes)]
+    # Every engine is loaded (and warmed up) before any is measured.
     engines: dict[str, dict[str, Any]] = {}
-    total = 3 * (sum(isinstance(f, dict) for f in formats.values()) + 1) + 2 * (not llamacpp_skip)
-    with progress(options, total, "peers") as bar:
-        for name, kwargs in formats.items():
-            key = f"kvstack_{name}"
-            if isinstance(kwargs, str):
-                engines[key] = {"skipped": kwargs}
-                continue
-            engines[key] = _ours(subject, work, kwargs, bar)
-            gc.collect()
-        engines["transformers"] = _transformers(subject, work, bar)
-        engines["llamacpp"] = ({"skipped": llamacpp_skip} if llamacpp_skip else
-                               _llamacpp(subject, options, work, bar))
+    runners: dict[str, _Runner] = {}
+    for name, kwargs in formats.items():
+        if isinstance(kwargs, str):
+            engines[f"kvstack_{name}"] = {"skipped": kwargs}
+        else:
+            runners[f"kvstack_{name}"] = _Ours(subject, work, kwargs)
+            engines[f"kvstack_{name}"] = runners[f"kvstack_{name}"].info
+    runners["transformers"] = _Transformers(subject)
+    engines["transformers"] = runners["transformers"].info
+    if llamacpp_skip:
+        engines["llamacpp"] = {"skipped": llamacpp_skip}
+    else:
+        runners["llamacpp"] = _LlamaCpp(subject, options, work)
+        engines["llamacpp"] = runners["llamacpp"].info
+    _measure(runners, engines, work, options)
+    del runners
+    gc.collect()
     torch.set_num_threads(options.threads)
     probes.append(measure_read_bandwidth(s.bandwidth_probe_bytes))
     bandwidth = max(probes)
@@ -152,7 +160,10 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         "decode": {"question": QUESTION, "prompt_tokens": len(work.chat),
                    "new_tokens": s.decode_new_tokens, "greedy": True, "ignore_eos": True},
         "prefill": {"prompt_tokens": len(work.document), "document_source": "pydoc_data.topics",
-                    "new_tokens": 1, "best_of": 2},
+                    "new_tokens": 1},
+        "best_of": s.repeats,
+        "order": "every engine loaded at once; each repeat of a workload runs every engine in "
+                 "turn, so a burst of load from other jobs hits them alike",
         "batch": {"num_prompts": s.batch, "prompt_tokens": s.batch_prompt_tokens,
                   "new_tokens": s.batch_new_tokens, "llamacpp": "not run (single stream)"},
         "kvstack_formats": {name: kwargs for name, kwargs in formats.items()},
@@ -176,86 +187,137 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
 # -- the engines ------------------------------------------------------------------------------
 
 
-def _ours(subject: Subject, work: Workloads, kwargs: dict[str, str], bar: Any) -> dict[str, Any]:
+class _Runner:
+    """One engine under test, loaded and warmed up: `info` (what it runs, bytes it reads) and
+    one run of each workload. `batch` returns None where the engine runs single streams."""
+
+    info: dict[str, Any]
+
+    def decode(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float | None,
+                                                                  list[float]]:
+        """(token ids, TTFT, gaps between tokens) of one greedy stream."""
+        raise NotImplementedError
+
+    def prefill(self, prompt: list[int]) -> float:
+        """TTFT of the prompt with one new token, nothing cached."""
+        raise NotImplementedError
+
+    def batch(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float] | None:
+        """(output tokens, seconds) of all prompts at once."""
+        return None
+
+
+class _Ours(_Runner):
+    def __init__(self, subject: Subject, work: Workloads, kwargs: dict[str, str]) -> None:
+        s = work.sizes
+        need = max(len(work.document), len(work.chat) + s.decode_new_tokens,
+                   sum(len(p) + s.batch_new_tokens + 16 for p in work.batch))
+        self.llm = subject.llm(**kwargs, enable_prefix_caching=False, max_num_seqs=s.batch,
+                               max_num_batched_tokens=max(2048, len(work.document) + 1),
+                               kv_cache_memory=subject.kv_shape().bytes_for(need + 64))
+        stats = self.llm.stats()
+        self.info = {
+            "weight_bytes": int(self.llm.engine.model.num_weight_bytes),
+            # Allocated bytes per token slot: whatever the KV dtype, scales included.
+            "kv_bytes_per_token": stats.kv_cache_bytes / (stats.num_blocks_total
+                                                          * stats.block_size),
+        }
+        self._generate([work.chat[:8]], _WARMUP_TOKENS)
+
+    def _generate(self, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+    def decode(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float | None,
+                                                                  list[float]]:
+        out = self._generate([prompt], max_tokens)[0]
+        return out.outputs[0].token_ids, out.metrics.ttft, out.metrics.inter_token_latencies
+
+    def prefill(self, prompt: list[int]) -> float:
+        ttft = self._generate([prompt], 1)[0].metrics.ttft
+        assert ttft is not None
+        return ttft
+
+    def batch(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+        start = time.perf_counter()
+        outs = self._generate(prompts, max_tokens)
+        return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - start
+
+
+class _Transformers(_Runner):
+    def __init__(self, subject: Subject) -> None:
+        self.peer = subject.peer()
+        self.info = {
+            "weight_bytes": sum(p.numel() * p.element_size() for p in self.peer.model.parameters()),
+            "kv_bytes_per_token": subject.kv_shape("float32").bytes_per_token,
+        }
+        self.peer.generate([subject.encode("warm up")], _WARMUP_TOKENS)
+
+    def decode(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float | None,
+                                                                  list[float]]:
+        run = self.peer.generate([prompt], max_tokens)
+        return run.token_ids[0], run.ttft, run.inter_token_latencies
+
+    def prefill(self, prompt: list[int]) -> float:
+        return self.peer.generate([prompt], 1).ttft
+
+    def batch(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+        run = self.peer.generate(prompts, max_tokens)
+        return sum(len(t) for t in run.token_ids), run.elapsed
+
+
+class _LlamaCpp(_Runner):
+    def __init__(self, subject: Subject, options: BenchOptions, work: Workloads) -> None:
+        self.peer = llamacpp.LlamaCppPeer(options.model, n_ctx=work.max_len + 64,
+                                          threads=options.threads)
+        self.info = {
+            "weights": self.peer.path.name,
+            "weight_type": self.peer.weight_type,
+            "weight_bytes": self.peer.num_weight_bytes,
+            # llama.cpp's default KV cache is f16: 2 bytes per element.
+            "kv_bytes_per_token": subject.kv_shape("float16").bytes_per_token,
+            "batch": {"skipped": "llama.cpp runs single streams in this benchmark"},
+        }
+        self.peer.generate(work.chat[:8], _WARMUP_TOKENS)
+
+    def decode(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float | None,
+                                                                  list[float]]:
+        run = self.peer.generate(prompt, max_tokens)
+        return run.token_ids[0], run.ttft, run.inter_token_latencies
+
+    def prefill(self, prompt: list[int]) -> float:
+        return self.peer.generate(prompt, 1).ttft
+
+
+def _measure(runners: dict[str, _Runner], engines: dict[str, dict[str, Any]], work: Workloads,
+             options: BenchOptions) -> None:
+    """Every workload `repeats` times on every engine in turn; each engine keeps its best run
+    (fastest decode, prefill and batch) in `engines[key]`."""
     s = work.sizes
-    need = max(len(work.document), len(work.chat) + s.decode_new_tokens,
-               sum(len(p) + s.batch_new_tokens + 16 for p in work.batch))
-    llm = subject.llm(**kwargs, enable_prefix_caching=False, max_num_seqs=s.batch,
-                      max_num_batched_tokens=max(2048, len(work.document) + 1),
-                      kv_cache_memory=subject.kv_shape().bytes_for(need + 64))
-    stats = llm.stats()
-    kv_bytes_per_token = stats.kv_cache_bytes / (stats.num_blocks_total * stats.block_size)
-    weight_bytes = int(llm.engine.model.num_weight_bytes)
-    _generate(llm, [work.chat[:8]], 2)
-
-    out = _generate(llm, [work.chat], s.decode_new_tokens)[0]
-    latencies = out.metrics.inter_token_latencies
-    decode = _decode_record(out.outputs[0].token_ids, out.metrics.ttft, latencies,
-                            len(work.chat), weight_bytes, kv_bytes_per_token)
-    bar.update(1)
-    ttfts = [_generate(llm, [work.document], 1)[0].metrics.ttft for _ in range(2)]
-    prefill = _prefill_record(len(work.document), min(t for t in ttfts if t is not None))
-    bar.update(1)
-    start = time.perf_counter()
-    outs = _generate(llm, work.batch, s.batch_new_tokens)
-    batch = _batch_record(sum(len(o.outputs[0].token_ids) for o in outs),
-                          time.perf_counter() - start)
-    bar.update(1)
-    del llm
-    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
-            "decode": decode, "prefill": prefill, "batch": batch}
-
-
-def _transformers(subject: Subject, work: Workloads, bar: Any) -> dict[str, Any]:
-    s = work.sizes
-    peer = subject.peer()
-    weight_bytes = sum(p.numel() * p.element_size() for p in peer.model.parameters())
-    kv_bytes_per_token = subject.kv_shape("float32").bytes_per_token
-    peer.generate([work.chat[:8]], 2)
-    run = peer.generate([work.chat], s.decode_new_tokens)
-    decode = _decode_run(run, len(work.chat), weight_bytes, kv_bytes_per_token)
-    bar.update(1)
-    ttfts = [peer.generate([work.document], 1).ttft for _ in range(2)]
-    prefill = _prefill_record(len(work.document), min(ttfts))
-    bar.update(1)
-    run = peer.generate(work.batch, s.batch_new_tokens)
-    batch = _batch_record(sum(len(t) for t in run.token_ids), run.elapsed)
-    bar.update(1)
-    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
-            "decode": decode, "prefill": prefill, "batch": batch}
-
-
-def _llamacpp(subject: Subject, options: BenchOptions, work: Workloads,
-              bar: Any) -> dict[str, Any]:
-    peer = llamacpp.LlamaCppPeer(options.model, n_ctx=work.max_len + 64,
-                                 threads=options.threads)
-    # llama.cpp's default KV cache is f16: 2 bytes per element.
-    kv_bytes_per_token = subject.kv_shape("float16").bytes_per_token
-    peer.generate(work.chat[:8], 2)
-    run = peer.generate(work.chat, work.sizes.decode_new_tokens)
-    decode = _decode_run(run, len(work.chat), peer.num_weight_bytes, kv_bytes_per_token)
-    bar.update(1)
-    ttfts = [peer.generate(work.document, 1).ttft for _ in range(2)]
-    prefill = _prefill_record(len(work.document), min(ttfts))
-    bar.update(1)
-    return {"weights": peer.path.name, "weight_type": peer.weight_type,
-            "weight_bytes": peer.num_weight_bytes,
-            "kv_bytes_per_token": kv_bytes_per_token, "decode": decode, "prefill": prefill,
-            "batch": {"skipped": "llama.cpp runs single streams in this benchmark"}}
-
-
-def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[Any]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    total = s.repeats * len(runners) * len(WORKLOADS)
+    with progress(options, total, "peers") as bar:
+        for workload in WORKLOADS:
+            for _ in range(s.repeats):
+                for key, runner in runners.items():
+                    info = engines[key]
+                    if workload == "decode":
+                        ids, ttft, gaps = runner.decode(work.chat, s.decode_new_tokens)
+                        record = _decode_record(ids, ttft, gaps, len(work.chat),
+                                                info["weight_bytes"], info["kv_bytes_per_token"])
+                    elif workload == "prefill":
+                        record = _prefill_record(len(work.document),
+                                                 runner.prefill(work.document))
+                    else:
+                        done = runner.batch(work.batch, s.batch_new_tokens)
+                        record = None if done is None else _batch_record(*done)
+                    bar.update(1)
+                    best = rate(info, workload)
+                    if record is not None and (best is None
+                                               or rate({workload: record}, workload) > best):
+                        info[workload] = record
 
 
 # -- records ----------------------------------------------------------------------------------
-
-
-def _decode_run(run: PeerRun, prompt_len: int, weight_bytes: int,
-                kv_bytes_per_token: float) -> dict[str, Any]:
-    return _decode_record(run.token_ids[0], run.ttft, run.inter_token_latencies, prompt_len,
-                          weight_bytes, kv_bytes_per_token)
 
 
 def _decode_record(token_ids: list[int], ttft: float | None, latencies: list[float],
