@@ -6,7 +6,7 @@ ran first, so the prompt reuses the document's full blocks and prefills only the
 document's last partial block and the question). Transformers does the same in the same run: a
 full prefill, and `generate` handed a copy of the document's `DynamicCache` (the copy is timed,
 as a server would have to make it). One new token per request, so TTFT is the whole request;
-each figure is the best of a few runs.
+each figure is the best of a few runs, the two engines taking turns.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from kvstack.bench.common import (
     ratio,
     save_figure,
 )
+from kvstack.bench.peers.hf import TransformersPeer
 from kvstack.bench.prefix import document
 from kvstack.llm import LLM
 from kvstack.sampling_params import SamplingParams
@@ -56,40 +57,33 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     cases = [prompts(subject, n) for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
+    llm = subject.llm(enable_prefix_caching=True,
+                      max_num_batched_tokens=max(2048, max(lengths)),
+                      kv_cache_memory=subject.kv_shape().bytes_for(max(lengths) + 64, 2))
+    peer = subject.peer()
+    llm.generate({"prompt_token_ids": cases[0][1][-8:]}, params)
+    peer.generate([cases[0][1][-8:]], 1)
+    ours, theirs = [], []
+    # Both engines stay loaded and take turns, so a burst of load from other jobs hits both.
     with progress(options, len(lengths) * repeats * 4, "ttft") as bar:
-        llm = subject.llm(enable_prefix_caching=True,
-                          max_num_batched_tokens=max(2048, max(lengths)),
-                          kv_cache_memory=subject.kv_shape().bytes_for(max(lengths) + 64, 2))
-        llm.generate({"prompt_token_ids": cases[0][1][-8:]}, params)
-        ours = []
         for doc, prompt in cases:
-            cold, hit = [], []
+            doc_cache, _ = peer.prefill(doc)
+            runs: dict[str, list[dict[str, Any]]] = {"ours_cold": [], "ours_hit": [],
+                                                     "theirs_cold": [], "theirs_hit": []}
             for _ in range(repeats):
                 llm.reset_prefix_cache()
-                cold.append(_ours_once(llm, prompt, params))
-                bar.update(1)
+                runs["ours_cold"].append(_ours_once(llm, prompt, params))
+                runs["theirs_cold"].append(_peer_once(peer, prompt, None))
                 llm.reset_prefix_cache()
                 llm.generate({"prompt_token_ids": doc}, params)
-                hit.append(_ours_once(llm, prompt, params))
-                bar.update(1)
-            ours.append({"cold": _best(cold), "hit": _best(hit)})
-        del llm
-
-        peer = subject.peer()
-        peer.generate([cases[0][1][-8:]], 1)
-        theirs = []
-        for doc, prompt in cases:
-            cold, hit = [], []
-            doc_cache, _ = peer.prefill(doc)
-            for _ in range(repeats):
-                r = peer.generate([prompt], 1)
-                cold.append({"ttft_s": r.ttft, "token_ids": r.token_ids[0]})
-                bar.update(1)
-                r = peer.generate([prompt], 1, past_key_values=doc_cache)
-                hit.append({"ttft_s": r.ttft, "token_ids": r.token_ids[0]})
-                bar.update(1)
-            theirs.append({"cold": _best(cold), "hit": _best(hit)})
+                runs["ours_hit"].append(_ours_once(llm, prompt, params))
+                runs["theirs_hit"].append(_peer_once(peer, prompt, doc_cache))
+                bar.update(4)
             del doc_cache
+            best = {name: min(r, key=lambda run: run["ttft_s"]) for name, r in runs.items()}
+            ours.append({"cold": best["ours_cold"], "hit": best["ours_hit"]})
+            theirs.append({"cold": best["theirs_cold"], "hit": best["theirs_hit"]})
+    del llm
 
     rows = [_row(n, doc, prompt, o, t)
             for n, (doc, prompt), o, t in zip(lengths, cases, ours, theirs, strict=True)]
@@ -133,8 +127,9 @@ def _ours_once(llm: LLM, prompt: list[int], params: SamplingParams) -> dict[str,
             "token_ids": out.outputs[0].token_ids}
 
 
-def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return min(runs, key=lambda r: r["ttft_s"])
+def _peer_once(peer: TransformersPeer, prompt: list[int], cache: Any | None) -> dict[str, Any]:
+    run = peer.generate([prompt], 1, past_key_values=cache)
+    return {"ttft_s": run.ttft, "token_ids": run.token_ids[0]}
 
 
 def _row(length: int, doc: list[int], prompt: list[int], ours: dict[str, Any],
