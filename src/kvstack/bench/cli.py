@@ -31,10 +31,12 @@ if importlib.util.find_spec("kvstack.bench.memory") is not None:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks against transformers, with JSON results and plots",
-        description="Run a benchmark case on our engine and on Hugging Face transformers with "
-        "the same weights, in the same run. Each case prints one summary line to stdout "
-        "(progress goes to stderr) and writes <out>/<case>.json plus PNG plots.",
+        help="benchmarks against transformers and llama.cpp, with JSON results and plots",
+        description="Run a benchmark case on our engine and on its peers in the same run: "
+        "Hugging Face transformers with the same weights, and in `peers` also llama.cpp on "
+        "the GGUF file. Each case prints one summary line to stdout (progress goes to "
+        "stderr) and writes <out>/<case>.json plus PNG plots; `report` turns them into the "
+        "README's table.",
         epilog="example: kvstack bench cache --threads 2   (kvstack bench all --quick for a "
         "smoke run in seconds)",
     )
@@ -42,7 +44,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     shared.add_argument("--model", default=DEFAULT_MODEL,
                         help="the embedded model's name, a .gguf file or a Hugging Face folder")
     shared.add_argument("--threads", type=positive_int, default=2, metavar="N",
-                        help="torch CPU threads, for our engine and for transformers alike")
+                        help="CPU threads for our engine and every peer alike")
     shared.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
                         help="folder for <case>.json and the plots")
     shared.add_argument("--quick", action="store_true",
