@@ -2,7 +2,10 @@
 
 The linear layers run on all new tokens of a step flattened to [T, hidden] (no padding).
 Attention groups them: all single-token decodes share one batched call; each prefill chunk
-gets its own call (its queries attend causally to the cached prefix plus themselves).
+gets its own call (its queries attend causally to the cached prefix plus themselves). With a
+lossy KV cache (quantized or cast) a prefill reads its own K/V back from the cache too, so every
+query attends to exactly what later steps will read. Window mode has its own path
+(`window_attention.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstack.kv.storage import KVCacheStorage
+from kvstack.window_attention import WindowSpan, window_attention
 
 
 @dataclass
@@ -30,6 +34,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [B_d, max_ctx] slots to read (padded with slot 0)
     decode_mask: torch.Tensor | None  # [B_d, 1, 1, max_ctx] True where a key is real
     prefills: list[PrefillSpan]
+    window: list[WindowSpan] | None = None  # window mode: every query goes through these
 
 
 def paged_attention(
@@ -43,6 +48,27 @@ def paged_attention(
     """q: [T, H, D], k/v: [T, H_kv, D] for the step's new tokens -> out [T, H, D]."""
     if kv is not None and meta.slot_mapping is not None:
         kv.write(layer, meta.slot_mapping, k, v)
+    out = torch.empty_like(q)
+    if meta.window is not None:
+        assert kv is not None
+        for window_span in meta.window:
+            window_attention(layer, q, out, window_span, kv)
+        return out
+    if kv is not None and kv.basis is not None:
+        # K/V come back in the storage's orthonormal basis: meet them there (every span
+        # reads them back, the cache being lossy), then turn the output back.
+        return _attend(layer, q @ kv.basis, k, v, meta, kv) @ kv.basis.T
+    return _attend(layer, q, k, v, meta, kv)
+
+
+def _attend(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    kv: KVCacheStorage | None,
+) -> torch.Tensor:
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         assert kv is not None

@@ -7,15 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstack.errors import InvalidRequestError, UnsupportedModelError
+from kvstack.kv.kv_dtype import check_kv_cache_dtype
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1}
-
 
 def parse_size(value: int | str) -> int:
     """'1GiB' -> 1073741824; plain ints are bytes."""
@@ -129,10 +127,30 @@ class CacheConfig:
     kv_redis_ttl_s: int = 86400
     # Bytes of completed blocks waiting for the tier writer; past it new blocks are dropped.
     kv_tier_queue_bytes: int = 256 * 1024**2
+    # Element type of the stored K/V (kv/kv_dtype.py): auto (the model's), float32, bfloat16,
+    # float16, int8, fp8 (e4m3) or int4 (KIVI-style, the block being filled kept exact).
+    kv_cache_dtype: str = "auto"
+    # Sliding-window mode (approximate, StreamingLLM): each token attends to the first
+    # `kv_sink_tokens` tokens and the most recent `kv_window - kv_sink_tokens`; blocks that
+    # slide out are freed, so one conversation runs for ever in constant memory.
+    kv_window: int | None = None
+    kv_sink_tokens: int = 4
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        self._check_window()
+        if not self.use_kv_cache and (self.kv_cache_dtype != "auto" or self.kv_window):
+            raise InvalidRequestError(
+                "kv_cache_dtype and kv_window shape the KV cache; turn the KV cache on "
+                "(use_kv_cache=True) or leave them at their defaults"
+            )
+        if self.kv_window is not None and (self.kv_disk_dir or self.kv_redis_url):
+            raise InvalidRequestError(
+                "window mode caches no prefix blocks, so it cannot use KV tiers; "
+                "drop kv_window or the tier options (kv_disk_dir, kv_redis_url)"
+            )
         for name in ("kv_disk_bytes", "kv_redis_ttl_s", "kv_tier_queue_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")
@@ -152,6 +170,22 @@ class CacheConfig:
         if not 0 <= self.max_pinned_fraction <= 1:
             raise InvalidRequestError(
                 f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"
+            )
+
+    def _check_window(self) -> None:
+        sinks, window = self.kv_sink_tokens, self.kv_window
+        if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
+            raise InvalidRequestError(f"kv_sink_tokens must be an integer >= 0, got {sinks!r}")
+        if window is None:
+            return
+        if not isinstance(window, int) or isinstance(window, bool):
+            raise InvalidRequestError(f"kv_window must be an integer number of tokens, got "
+                                      f"{window!r}")
+        if window < sinks + self.block_size:
+            raise InvalidRequestError(
+                f"kv_window {window} is smaller than kv_sink_tokens + block_size "
+                f"({sinks} + {self.block_size}); give a window of at least "
+                f"{sinks + self.block_size} tokens"
             )
 
 

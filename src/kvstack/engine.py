@@ -16,10 +16,13 @@ from kvstack.detokenizer import IncrementalDetokenizer, NullDecoder, find_stop, 
 from kvstack.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from kvstack.estimate import KVShape
 from kvstack.kv.kv_cache_manager import KVCacheManager
+from kvstack.kv.kv_dtype import resolve
+from kvstack.kv.quantized import make_kv_storage
 from kvstack.kv.storage import KVCacheStorage
 from kvstack.kv.tiers.base import TierStats
 from kvstack.kv.tiers.chain import TierChain, build_tiers
 from kvstack.kv.tiers.codec import BlockFormat
+from kvstack.kv.window import SlidingWindow
 from kvstack.models import model_class
 from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.request import Request
@@ -45,33 +48,55 @@ class LLMEngine:
         self.dtype = _DTYPES[config.dtype]
         self.model = model_class(ckpt.config.architecture)(ckpt.config, self.dtype)
         self.model.load_weights(ckpt.tensors)
-        # Blocks are only shared between engines with the same weights, tokenizer and dtype.
-        self.fingerprint = hashlib.sha256(f"{ckpt.fingerprint}|{config.dtype}".encode()).hexdigest()
+        # Blocks are only shared between engines with the same weights, tokenizer and dtype,
+        fingerprint = f"{ckpt.fingerprint}|{config.dtype}"
+        cache = config.cache
+        self.kv_cache_dtype = resolve(cache.kv_cache_dtype, config.dtype)
+        self.window = (SlidingWindow(cache.kv_window, cache.kv_sink_tokens, cache.block_size)
+                       if cache.kv_window is not None else None)
+        # ... and the same KV dtype and attention (window mode); the default KV dtype (the
+        # model's) keeps the fingerprint it always had.
+        if self.kv_cache_dtype != config.dtype:
+            fingerprint += f"|kv={self.kv_cache_dtype}"
+        if self.window is not None:
+            fingerprint += f"|window={self.window.window},{self.window.sink_tokens}"
+        self.fingerprint = hashlib.sha256(fingerprint.encode()).hexdigest()
         del ckpt
         self.eos_token_ids = self._eos_ids()
-        cache = config.cache
+        if self.window is not None and self.window.window > self.max_model_len:
+            raise InvalidRequestError(
+                f"kv_window {self.window.window} is longer than the model's context "
+                f"({self.max_model_len} tokens); give a smaller kv_window"
+            )
         self.kv_storage: KVCacheStorage | None = None
         self.kv_manager: KVCacheManager | None = None
         self.kv_tiers: TierChain | None = None
         if cache.use_kv_cache:
-            shape = KVShape.of(self.model_config, config.dtype)
-            num_blocks = shape.num_blocks_for_budget(cache.kv_cache_memory, cache.block_size)
+            shape = KVShape.of(self.model_config, self.kv_cache_dtype, block_size=cache.block_size,
+                               model_dtype=config.dtype, window=cache.kv_window,
+                               sink_tokens=cache.kv_sink_tokens)
+            max_num_seqs = config.scheduler.max_num_seqs
+            num_blocks = shape.num_blocks_for_budget(cache.kv_cache_memory,
+                                                     max_num_seqs=max_num_seqs)
             if num_blocks < 1:
                 raise InvalidRequestError(
                     f"kv_cache_memory {cache.kv_cache_memory} B holds no block of "
-                    f"{shape.bytes_per_token * cache.block_size} B; raise kv_cache_memory"
+                    f"{shape.bytes_per_block} B (plus {shape.window_pool_bytes(max_num_seqs)} B "
+                    "of int4 window); raise kv_cache_memory"
                 )
-            self.kv_storage = KVCacheStorage(self.model_config, num_blocks, cache.block_size,
-                                             self.dtype)
-            block_format = BlockFormat(self.fingerprint, config.dtype, shape.num_layers,
+            self.kv_storage = make_kv_storage(self.model_config, num_blocks, cache.block_size,
+                                              self.kv_cache_dtype, self.dtype, max_num_seqs)
+            block_format = BlockFormat(self.fingerprint, self.kv_cache_dtype, shape.num_layers,
                                        shape.num_kv_heads, shape.head_dim, cache.block_size)
             self.kv_tiers = build_tiers(cache, block_format, self.kv_storage)
-            self.kv_manager = KVCacheManager(num_blocks, cache.block_size,
-                                             cache.enable_prefix_caching, self.fingerprint,
-                                             int(num_blocks * cache.max_pinned_fraction),
-                                             self.kv_tiers)
+            self.kv_manager = KVCacheManager(
+                num_blocks, cache.block_size,
+                cache.enable_prefix_caching and self.window is None, self.fingerprint,
+                int(num_blocks * cache.max_pinned_fraction), self.kv_tiers, self.window,
+                self.kv_storage.release,
+            )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = ModelRunner(self.model, self.kv_storage, Sampler())
+        self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), self.window)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
@@ -100,9 +125,13 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
         max_len = self.max_model_len
-        if len(token_ids) >= max_len:
+        if self.window is not None:
+            # Window mode never runs out of context: positions are indices in the window.
+            max_tokens = params.max_tokens or max_len
+        elif len(token_ids) >= max_len:
             raise PromptTooLongError(len(token_ids), max_len)
-        max_tokens = min(params.max_tokens or max_len, max_len - len(token_ids))
+        else:
+            max_tokens = min(params.max_tokens or max_len, max_len - len(token_ids))
         self._check_capacity(len(token_ids) + max_tokens)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
@@ -146,13 +175,14 @@ class LLMEngine:
     def _check_capacity(self, num_tokens: int) -> None:
         if self.kv_manager is None:
             return
-        need = self.kv_manager.blocks_needed(num_tokens)
+        need = self.kv_manager.max_blocks_held(num_tokens)
         have = self.kv_manager.pool.num_blocks
         if need > have:
             bs = self.kv_manager.block_size
+            fix = "lower kv_window" if self.window is not None else "lower max_tokens"
             raise CapacityError(
                 f"request needs {need} KV blocks ({num_tokens} tokens) but the pool holds "
-                f"{have} ({have * bs} tokens); lower max_tokens or raise kv_cache_memory"
+                f"{have} ({have * bs} tokens); {fix} or raise kv_cache_memory"
             )
 
     def abort(self, request_id: str) -> None:

@@ -1,4 +1,5 @@
-"""KV-cache memory arithmetic: bytes = 2 (K and V) x tokens x layers x H_kv x D_head x bytes/elem.
+"""KV-cache memory arithmetic: K and V of every layer, KV head and token, in the KV dtype, with
+the scales a quantized dtype stores beside them (`kv/kv_dtype.py`).
 
 The engine sizes its pool with `num_blocks_for_budget`, so an estimate for a budget is what
 gets allocated, not an approximation of it.
@@ -8,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstack.config import DTYPE_BYTES, ModelConfig
+from kvstack.config import ModelConfig
 from kvstack.errors import InvalidRequestError
+from kvstack.kv.kv_dtype import FLOAT_BYTES, layer_block_bytes, window_pool_blocks
 
 
 @dataclass(frozen=True)
@@ -17,37 +19,91 @@ class KVShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str
+    dtype: str  # the KV dtype, resolved (no "auto"): float32, bfloat16, float16, int8, fp8, int4
+    block_size: int = 16
+    model_dtype: str = "float32"  # int4 keeps the blocks being filled in this dtype
+    # Sliding-window mode: each token attends to `sink_tokens` first tokens and the most recent
+    # `window - sink_tokens`; older blocks are freed, so a sequence holds at most `window_blocks`.
+    window: int | None = None
+    sink_tokens: int = 4
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            known = ", ".join(DTYPE_BYTES)
-            raise InvalidRequestError(f"unknown KV dtype {self.dtype!r}; use one of {known}")
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(f"{name} must be a positive integer")
+        if self.model_dtype not in FLOAT_BYTES:
+            raise InvalidRequestError(f"unknown model dtype {self.model_dtype!r}")
+        layer_block_bytes(self.dtype, self.num_kv_heads, self.head_dim, self.block_size)
 
     @classmethod
-    def of(cls, model: ModelConfig, dtype: str) -> KVShape:
-        return cls(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    def of(cls, model: ModelConfig, dtype: str, **kwargs: object) -> KVShape:
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim, dtype, **kwargs)
 
     @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+    def bytes_per_block(self) -> int:
+        """One block of every layer, K and V, scales included: the unit the pool allocates."""
+        return self.num_layers * layer_block_bytes(self.dtype, self.num_kv_heads, self.head_dim,
+                                                   self.block_size)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """`bytes_per_block / block_size` (an int unless int4 key scales split unevenly)."""
+        whole, rest = divmod(self.bytes_per_block, self.block_size)
+        return whole if not rest else self.bytes_per_block / self.block_size
+
+    @property
+    def window_blocks(self) -> int | None:
+        """Most blocks a sequence holds in window mode: the sink blocks, the blocks of the
+        recent tokens, and the one being filled."""
+        if self.window is None:
+            return None
+        bs = self.block_size
+        return -(-self.sink_tokens // bs) + -(-(self.window - self.sink_tokens) // bs) + 1
+
+    def blocks_for(self, seq_len: int) -> int:
+        """Blocks one sequence of seq_len tokens holds (whole blocks; bounded in window mode)."""
+        blocks = -(-seq_len // self.block_size)
+        return blocks if self.window_blocks is None else min(blocks, self.window_blocks)
+
+    def tokens_held(self, seq_len: int) -> int:
+        """Tokens of a seq_len-token sequence whose K/V are kept."""
+        if self.window_blocks is None:
+            return seq_len
+        return min(seq_len, self.window_blocks * self.block_size)
 
     def bytes_for(self, seq_len: int, batch: int = 1) -> int:
-        return self.bytes_per_token * seq_len * batch
+        """K/V bytes of `batch` sequences of seq_len tokens (exact tokens, not whole blocks)."""
+        return round(self.bytes_per_token * self.tokens_held(seq_len) * batch)
 
-    def num_blocks_for_budget(self, budget_bytes: int, block_size: int) -> int:
-        return budget_bytes // (self.bytes_per_token * block_size)
+    def window_pool_bytes(self, max_num_seqs: int) -> int:
+        """int4's full-precision blocks for the blocks being filled; 0 for other dtypes."""
+        per_block = (2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size
+                     * FLOAT_BYTES[self.model_dtype])
+        return window_pool_blocks(self.dtype, max_num_seqs) * per_block
 
-    def max_tokens_for_budget(self, budget_bytes: int, block_size: int) -> int:
-        return self.num_blocks_for_budget(budget_bytes, block_size) * block_size
+    def num_blocks_for_budget(self, budget_bytes: int, block_size: int | None = None,
+                              max_num_seqs: int = 64) -> int:
+        shape = self._with_block_size(block_size)
+        pool = budget_bytes - shape.window_pool_bytes(max_num_seqs)
+        return max(pool, 0) // shape.bytes_per_block
 
-    def max_sequences_for_budget(self, budget_bytes: int, block_size: int, seq_len: int) -> int:
+    def max_tokens_for_budget(self, budget_bytes: int, block_size: int | None = None,
+                              max_num_seqs: int = 64) -> int:
+        shape = self._with_block_size(block_size)
+        return shape.num_blocks_for_budget(budget_bytes, None, max_num_seqs) * shape.block_size
+
+    def max_sequences_for_budget(self, budget_bytes: int, block_size: int | None,
+                                 seq_len: int, max_num_seqs: int = 64) -> int:
         """Sequences of seq_len tokens that fit at once (each rounds up to whole blocks)."""
-        blocks_per_seq = -(-seq_len // block_size)
-        return self.num_blocks_for_budget(budget_bytes, block_size) // blocks_per_seq
+        shape = self._with_block_size(block_size)
+        blocks = shape.num_blocks_for_budget(budget_bytes, None, max_num_seqs)
+        return blocks // shape.blocks_for(seq_len)
+
+    def _with_block_size(self, block_size: int | None) -> KVShape:
+        if block_size is None or block_size == self.block_size:
+            return self
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, block_size,
+                       self.model_dtype, self.window, self.sink_tokens)
 
 
 def format_bytes(n: float) -> str:

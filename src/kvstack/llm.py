@@ -25,6 +25,13 @@ class LLM:
     With `kv_disk_dir` and/or `kv_redis_url`, prefix blocks are written through to a disk
     directory (capped at `kv_disk_size`) and a Redis server, and reused from there by later
     processes. `close()` (or leaving a `with` block) waits for pending writes.
+
+    `kv_cache_dtype` stores K/V as "auto" (the model dtype), "float32", "bfloat16", "float16",
+    "int8", "fp8" (e4m3) or "int4" (KIVI-style), quantized on write and dequantized on read.
+    `kv_window=N` (with `kv_sink_tokens`, default 4) turns on the APPROXIMATE sliding-window
+    mode (StreamingLLM): each token attends to the first sink tokens and the N - sinks most
+    recent ones, older blocks are freed, and a conversation may run past the model's context
+    (`max_tokens` is not capped by it) in constant memory; prefix caching is off in this mode.
     """
 
     def __init__(
@@ -44,6 +51,9 @@ class LLM:
         kv_disk_size: int | str = "10GiB",
         kv_redis_url: str | None = None,
         kv_redis_ttl_s: int = 86400,
+        kv_cache_dtype: str = "auto",
+        kv_window: int | None = None,
+        kv_sink_tokens: int = 4,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -58,6 +68,9 @@ class LLM:
                 kv_disk_bytes=parse_size(kv_disk_size),
                 kv_redis_url=kv_redis_url,
                 kv_redis_ttl_s=kv_redis_ttl_s,
+                kv_cache_dtype=kv_cache_dtype,
+                kv_window=kv_window,
+                kv_sink_tokens=kv_sink_tokens,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens

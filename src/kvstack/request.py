@@ -37,6 +37,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V sit in this request's blocks
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
     blocks: list[KVBlock] = field(default_factory=list)
+    num_evicted_blocks: int = 0  # window mode: blocks freed between the sinks and `blocks`' rest
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_preemptions: int = 0
     resumed_at_step: int = -1

@@ -8,8 +8,17 @@ import torch
 
 from kvstack.attention import AttentionMetadata, PrefillSpan
 from kvstack.kv.storage import KVCacheStorage
+from kvstack.kv.window import SlidingWindow
+from kvstack.request import Request
 from kvstack.sampler import Sampler
 from kvstack.scheduler import SchedulerOutput
+from kvstack.window_attention import (
+    SpanRequest,
+    WindowRoPE,
+    WindowSpan,
+    build_span,
+    key_positions,
+)
 
 
 @dataclass
@@ -24,11 +33,17 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: object, kv: KVCacheStorage | None, sampler: Sampler) -> None:
+    def __init__(self, model: object, kv: KVCacheStorage | None, sampler: Sampler,
+                 window: SlidingWindow | None = None) -> None:
         self.model = model
         self.kv = kv
         self.sampler = sampler
         self.block_size = kv.block_size if kv is not None else 0
+        # A lossy cache is read back even by a prefill without a cached prefix (see attention).
+        self.read_back = kv is not None and kv.lossy
+        self.window = window
+        self.window_rope = (WindowRoPE(model.config, model.dtype)  # type: ignore[attr-defined]
+                            if window is not None else None)
 
     def run(self, batch: SchedulerOutput) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(batch)
@@ -80,6 +95,8 @@ class ModelRunner:
     def _prepare(
         self, batch: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        if self.window is not None:
+            return self._prepare_window(batch)
         ids: list[int] = []
         pos: list[int] = []
         slot_parts: list[torch.Tensor] = []
@@ -101,8 +118,9 @@ class ModelRunner:
                     decode_rows.append(row)
                     decode_ctx.append(seq_slots)
                 else:
+                    read_back = start > 0 or self.read_back
                     prefills.append(PrefillSpan(row, row + end - start, end,
-                                                seq_slots if start > 0 else None))
+                                                seq_slots if read_back else None))
             else:
                 prefills.append(PrefillSpan(row, row + end - start, end, None))
             if s.samples:
@@ -127,3 +145,52 @@ class ModelRunner:
             meta,
             torch.tensor(sample_rows, dtype=torch.int64),
         )
+
+    def _prepare_window(
+        self, batch: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Window mode: every position is 0 for the model (RoPE at 0 is the identity, so K is
+        stored unrotated); the spans carry the rotations attention applies."""
+        assert self.window is not None and self.window_rope is not None
+        ids: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        decodes: list[SpanRequest] = []
+        spans: list[WindowSpan] = []
+        for s in batch.scheduled:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            row = len(ids)
+            ids.extend(r.tokens_between(start, end))
+            keys = key_positions(self.window, start, end)  # the new tokens are the last keys
+            slots = self._window_slots(r, keys)
+            slot_parts.append(slots[len(keys) - (end - start):])
+            part = SpanRequest(list(range(row, row + end - start)), start, keys, slots)
+            if end - start == 1:
+                decodes.append(part)
+            else:
+                spans.append(build_span(self.window, self.window_rope, [part]))
+            if s.samples:
+                sample_rows.append(row + end - start - 1)
+        if decodes:
+            spans.append(build_span(self.window, self.window_rope, decodes))
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_parts), decode_rows=None, decode_slots=None,
+            decode_mask=None, prefills=[], window=spans,
+        )
+        return (
+            torch.tensor(ids, dtype=torch.int64),
+            torch.zeros(len(ids), dtype=torch.int64),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.int64),
+        )
+
+    def _window_slots(self, request: Request, positions: torch.Tensor) -> torch.Tensor:
+        """Slots of live positions of a window-mode request (sinks, then its live blocks)."""
+        assert self.window is not None
+        bs = self.block_size
+        logical = positions // bs
+        index = torch.where(logical < self.window.num_sink_blocks, logical,
+                            logical - request.num_evicted_blocks)
+        block_ids = torch.tensor([b.block_id for b in request.blocks], dtype=torch.int64)
+        return block_ids[index] * bs + positions % bs

@@ -49,6 +49,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.step_index = 0
         self.num_preemptions = 0
+        # Window mode bounds a request's chunk, and so the blocks it holds at once.
+        window = kv.window if kv is not None else None
+        self.max_chunk = window.max_chunk if window is not None else config.max_num_batched_tokens
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -67,7 +70,8 @@ class Scheduler:
         for request in order:
             if request.status is not RequestStatus.RUNNING or budget == 0:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          self.max_chunk)
             if not self._allocate_or_preempt(request, num_new, out):
                 continue
             out.scheduled.append(ScheduledRequest(request, num_new))
@@ -109,7 +113,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit = self.kv.match_prefix(request)
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            num_new = min(request.num_tokens - hit.num_tokens, budget, self.max_chunk)
             if not self.kv.allocate(request, num_new, hit):
                 break
             self.waiting.popleft()
@@ -137,11 +141,13 @@ class Scheduler:
         return out
 
     def after_step(self, output: SchedulerOutput) -> None:
-        """Advance computed-token counts and publish newly full blocks."""
+        """Advance computed-token counts, publish newly full blocks, and (window mode) free
+        the blocks that slid out of the window."""
         for s in output.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             if self.kv is not None:
                 self.kv.cache_computed_blocks(s.request)
+                self.kv.slide_window(s.request)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (done or aborted) and release its blocks at once."""

@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -274,7 +275,22 @@ def machine_info(threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "kvstack": kvstack.__version__,
+        "kvstack_commit": _source_commit(),
     }
+
+
+def _source_commit() -> str | None:
+    """The git commit this kvstack runs from (`-dirty` with uncommitted changes), or None
+    outside a git checkout."""
+    root = Path(kvstack.__file__).resolve().parent.parent.parent  # <root>/src/kvstack
+    if not (root / ".git").exists():
+        return None
+    try:
+        done = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
 
 
 def _cpu_model() -> str:

@@ -109,7 +109,8 @@ def _provenance(results: Sequence[dict[str, Any]]) -> str:
         m = data.get("machine", {})
         text = (f"{m.get('cpu', 'unknown CPU')} ({m.get('logical_cpus', '?')} logical CPUs), "
                 f"{m.get('threads', '?')} torch threads, torch {m.get('torch', '?')}, "
-                f"transformers {m.get('transformers', '?')}, kvstack {m.get('kvstack', '?')}")
+                f"transformers {m.get('transformers', '?')}, kvstack {m.get('kvstack', '?')}"
+                + (f" at {m['kvstack_commit']}" if m.get("kvstack_commit") else ""))
         if text not in machines:
             machines.append(text)
     return (f"Measured {when} (UTC) on {'; '.join(machines)}. The load column is the machine's "

@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 from kvstack.config import parse_size
 from kvstack.errors import InvalidRequestError, KvstackError
+from kvstack.kv.kv_dtype import KV_CACHE_DTYPES
 from kvstack.llm import LLM, PromptType
 from kvstack.outputs import RequestMetrics, RequestOutput
 from kvstack.sampling_params import SamplingParams
@@ -29,6 +30,16 @@ def positive_int(text: str) -> int:
         value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
 
 
@@ -65,6 +76,15 @@ def add_model_args(parser: argparse.ArgumentParser, cache_switches: bool = True)
                        help="tokens per KV block (a power of two)")
     group.add_argument("--threads", type=positive_int, default=None, metavar="N",
                        help="torch CPU threads (default: torch's choice)")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="element type of the stored K/V: auto (the model's), a float type, "
+                       "int8, fp8 (e4m3) or int4 (KIVI-style, newest block exact)")
+    group.add_argument("--kv-window", type=positive_int, default=None, metavar="N",
+                       help="APPROXIMATE sliding-window mode (StreamingLLM): attend to the sink "
+                       "tokens and the N - sinks most recent ones, free older blocks; a "
+                       "conversation may run past the model's context in constant memory")
+    group.add_argument("--kv-sink-tokens", type=non_negative_int, default=4, metavar="N",
+                       help="with --kv-window: first tokens every token keeps attending to")
     add_tier_args(parser)
     if not cache_switches:
         parser.set_defaults(no_kv_cache=False, no_prefix_caching=False)
@@ -109,11 +129,12 @@ def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
         "enable_prefix_caching": not args.no_prefix_caching,
         "num_threads": args.threads,
     }
-    # A baseline built with its caches off (e.g. the demo's) has no tiers either.
-    if overrides.get("use_kv_cache") is not False and overrides.get(
-        "enable_prefix_caching"
-    ) is not False:
-        kwargs |= tier_kwargs(args)
+    # A baseline built with its caches off (e.g. the demo's) has no tiers (or KV options) either.
+    if overrides.get("use_kv_cache") is not False:
+        kwargs |= {"kv_cache_dtype": args.kv_cache_dtype, "kv_window": args.kv_window,
+                   "kv_sink_tokens": args.kv_sink_tokens}
+        if overrides.get("enable_prefix_caching") is not False:
+            kwargs |= tier_kwargs(args)
     return LLM(**(kwargs | overrides))
 
 

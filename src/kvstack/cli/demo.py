@@ -67,7 +67,10 @@ def run(args: argparse.Namespace) -> int:
     # runs prefill the whole prompt and the comparison is the KV cache alone.
     llm.reset_prefix_cache()
     cached = _timed_run("KV cache", llm, prompt, timed)
-    shape = KVShape.of(llm.engine.model_config, args.dtype)
+    cache = llm.engine.config.cache
+    shape = KVShape.of(llm.engine.model_config, llm.engine.kv_cache_dtype,
+                       block_size=cache.block_size, model_dtype=args.dtype,
+                       window=cache.kv_window, sink_tokens=cache.kv_sink_tokens)
     del llm  # one model in memory at a time
 
     baseline = load_llm(args, use_kv_cache=False)

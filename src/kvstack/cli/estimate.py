@@ -1,7 +1,9 @@
 """`kvstack estimate`: KV-cache bytes of a shape or a model, and what fits in a budget.
 
-The budget rows use the engine's own sizing (`KVShape.num_blocks_for_budget`), so they say
-what `--kv-cache-memory` really holds, whole blocks included.
+Bytes are the engine's own arithmetic (`KVShape`, `kv/kv_dtype.py`): quantized dtypes count
+their scales, int4 its full-precision window pool, window mode the blocks a sequence keeps, and
+the budget rows size the pool exactly as the engine does (`num_blocks_for_budget`), so they
+say what `--kv-cache-memory` really holds, whole blocks included.
 """
 
 from __future__ import annotations
@@ -9,13 +11,19 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvstack.cli import DEFAULT_MODEL, byte_size, positive_int
-from kvstack.config import DTYPE_BYTES, CacheConfig
+from kvstack.cli import DEFAULT_MODEL, byte_size, non_negative_int, positive_int
+from kvstack.config import CacheConfig
 from kvstack.errors import InvalidRequestError
 from kvstack.estimate import KVShape, format_bytes
+from kvstack.kv.kv_dtype import KV_CACHE_DTYPES, resolve
 from kvstack.weights import load_checkpoint
 
 _SHAPE_FLAGS = ("layers", "kv_heads", "head_dim")
+_SCALES = {
+    "int8": "+ a float16 scale per token and KV head",
+    "fp8": "e4m3, + a float16 scale per token and KV head",
+    "int4": "+ float16 scale/zero per key channel per block and per value token",
+}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -23,20 +31,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "estimate",
         help="KV-cache memory of a model or a shape, and what fits in a budget",
         description="KV-cache bytes per token and per batch, from --model's config or from "
-        "--layers/--kv-heads/--head-dim; with --kv-cache-memory, the tokens and sequences "
-        "that fit.",
+        "--layers/--kv-heads/--head-dim, for any KV dtype (scales included) and window mode; "
+        "with --kv-cache-memory, the tokens and sequences that fit.",
         epilog=f"example: kvstack estimate --layers 32 --kv-heads 8 --head-dim 128 "
-        f"--seq-len 4096 --dtype float16   (or: --model {DEFAULT_MODEL})",
+        f"--seq-len 4096 --dtype float16   (or: --model {DEFAULT_MODEL} --kv-cache-dtype int8 "
+        "--kv-cache-memory 1GiB --seq-len 2048)",
     )
     shape = parser.add_argument_group("shape (instead of --model)")
     shape.add_argument("--layers", type=positive_int, metavar="N", help="decoder layers")
     shape.add_argument("--kv-heads", type=positive_int, metavar="N",
-                       help="key/value heads per layer (fewer than query heads under GQA)")
+                       help="key/value heads per layer (fewer than query heads under GQA, 1 "
+                       "under MQA)")
     shape.add_argument("--head-dim", type=positive_int, metavar="N", help="size of one head")
+    shape.add_argument("--heads", type=positive_int, metavar="N",
+                       help="query heads, to report the GQA/MQA saving (optional)")
     parser.add_argument("--model", metavar="NAME",
                         help="read the shape from this model's config (e.g. smollm2-135m)")
-    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPE_BYTES),
-                        help="KV element type")
+    parser.add_argument("--kv-cache-dtype", "--dtype", dest="kv_dtype", default="auto",
+                        choices=KV_CACHE_DTYPES,
+                        help="KV element type; auto is --model-dtype")
+    parser.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the model's dtype: what auto means, and int4's window precision")
     parser.add_argument("--seq-len", type=positive_int, metavar="N",
                         help="tokens per sequence (default: the model's context length)")
     parser.add_argument("--batch", type=positive_int, default=1, metavar="N",
@@ -45,50 +60,90 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="a KV budget, e.g. 1GiB: report the tokens and sequences that fit")
     parser.add_argument("--block-size", type=positive_int, default=16, metavar="N",
                         help="tokens per KV block (a power of two)")
+    parser.add_argument("--kv-window", type=positive_int, default=None, metavar="N",
+                        help="window mode (approximate): a sequence keeps its sink tokens and "
+                        "its N - sinks most recent ones, in every layer")
+    parser.add_argument("--kv-sink-tokens", type=non_negative_int, default=4, metavar="N",
+                        help="with --kv-window: first tokens kept for ever")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
+                        help="sequences the engine runs at once (sizes int4's window pool)")
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     given = [name for name in _SHAPE_FLAGS if getattr(args, name) is not None]
-    if args.model is not None and given:
+    if args.model is not None and (given or args.heads is not None):
         raise InvalidRequestError("give either --model or --layers/--kv-heads/--head-dim, not both")
-    if args.kv_cache_memory is not None:
-        # The engine's own check (block size a power of two) before any arithmetic.
-        CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
+    # The engine's own checks (block size a power of two, window vs sinks) before arithmetic.
+    CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory or 1,
+                kv_window=args.kv_window, kv_sink_tokens=args.kv_sink_tokens)
+    kv_dtype = resolve(args.kv_dtype, args.model_dtype)
+    options = {"block_size": args.block_size, "model_dtype": args.model_dtype,
+               "window": args.kv_window, "sink_tokens": args.kv_sink_tokens}
     rows: list[tuple[str, str]] = []
+    num_heads = args.heads
     if args.model is not None:
         config = load_checkpoint(args.model).config
-        shape = KVShape.of(config, args.dtype)
+        shape = KVShape.of(config, kv_dtype, **options)
         seq_len = args.seq_len or config.max_model_len
+        num_heads = config.num_heads
         rows.append(("model", f"{args.model} ({config.architecture})"))
     elif len(given) == len(_SHAPE_FLAGS):
-        shape = KVShape(args.layers, args.kv_heads, args.head_dim, args.dtype)
+        shape = KVShape(args.layers, args.kv_heads, args.head_dim, kv_dtype, **options)
         if args.seq_len is None:
             raise InvalidRequestError("give --seq-len, the tokens per sequence")
         seq_len = args.seq_len
     else:
         raise InvalidRequestError("give --model NAME, or all of --layers, --kv-heads, --head-dim")
+    scales = f" ({_SCALES[kv_dtype]})" if kv_dtype in _SCALES else ""
     rows += [
         ("shape", f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x "
-                  f"{shape.head_dim} head dim, {shape.dtype}"),
-        ("per token", _bytes(shape.bytes_per_token)),
-        (f"{seq_len} tokens x {args.batch} seqs", _bytes(shape.bytes_for(seq_len, args.batch))),
+                  f"{shape.head_dim} head dim, {kv_dtype}{scales}"),
     ]
+    if num_heads is not None:
+        rows.append(("attention", _attention_kind(num_heads, shape.num_kv_heads)))
+    rows += [
+        ("per token", _bytes(shape.bytes_per_token)),
+        ("per block", f"{_bytes(shape.bytes_per_block)}, {shape.block_size} tokens"),
+    ]
+    if shape.window_blocks is not None:
+        rows.append(("window (approximate)",
+                     f"{shape.sink_tokens} sink + {shape.window - shape.sink_tokens} recent "
+                     f"tokens attended; a sequence keeps at most {shape.window_blocks} blocks "
+                     f"({shape.window_blocks * shape.block_size} tokens) in every layer"))
+    rows.append((f"{seq_len} tokens x {args.batch} seqs",
+                 _bytes(shape.bytes_for(seq_len, args.batch))))
     if args.kv_cache_memory is not None:
-        budget, block = args.kv_cache_memory, args.block_size
-        blocks = shape.num_blocks_for_budget(budget, block)
-        rows += [
-            ("budget", f"{format_bytes(budget)} = {blocks} blocks of {block} tokens"),
-            ("max tokens", f"{shape.max_tokens_for_budget(budget, block):,}"),
-            (f"max seqs of {seq_len} tokens",
-             f"{shape.max_sequences_for_budget(budget, block, seq_len):,}"),
-        ]
+        rows += _budget_rows(shape, args.kv_cache_memory, seq_len, args.max_num_seqs)
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
     return 0
 
 
-def _bytes(n: int) -> str:
-    return f"{format_bytes(n)} ({n:,} B)"
+def _budget_rows(shape: KVShape, budget: int, seq_len: int,
+                 max_num_seqs: int) -> list[tuple[str, str]]:
+    blocks = shape.num_blocks_for_budget(budget, max_num_seqs=max_num_seqs)
+    window = shape.window_pool_bytes(max_num_seqs)
+    extra = (f" (after int4's window of {max_num_seqs} full-precision blocks, "
+             f"{format_bytes(window)})" if window else "")
+    return [
+        ("budget", f"{format_bytes(budget)} = {blocks} blocks of {shape.block_size} tokens"
+                   f"{extra}"),
+        ("max tokens", f"{shape.max_tokens_for_budget(budget, max_num_seqs=max_num_seqs):,}"),
+        (f"max seqs of {seq_len} tokens",
+         f"{shape.max_sequences_for_budget(budget, None, seq_len, max_num_seqs):,}"),
+    ]
+
+
+def _attention_kind(num_heads: int, num_kv_heads: int) -> str:
+    if num_heads == num_kv_heads:
+        return f"MHA, {num_heads} heads"
+    kind = "MQA" if num_kv_heads == 1 else "GQA"
+    return (f"{kind}, {num_heads} query heads share {num_kv_heads} KV heads "
+            f"({num_heads // num_kv_heads}x less KV than MHA)")
+
+
+def _bytes(n: float) -> str:
+    return f"{format_bytes(n)} ({n:,.0f} B)"

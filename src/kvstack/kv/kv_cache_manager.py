@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstack.kv.block_hash import BlockHash, hash_full_blocks
 from kvstack.kv.block_pool import BlockPool, KVBlock
 from kvstack.kv.pins import PinRegistry
 from kvstack.kv.tiers.base import BlockTiers
+from kvstack.kv.window import SlidingWindow
 from kvstack.request import Request
 
 
@@ -20,7 +21,13 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    """Owns which blocks each request holds. Never touches tensors."""
+    """Owns which blocks each request holds. Never touches tensors.
+
+    `on_free` hears of every block a request lets go (storage may keep per-block state, e.g.
+    int4's full-precision window). With a `window` (sliding-window mode) a request's blocks
+    that slid out of the window are freed after each step (`slide_window`) and prefix caching
+    is off: a block's K/V there depend on what was evicted before it.
+    """
 
     def __init__(
         self,
@@ -30,8 +37,14 @@ class KVCacheManager:
         fingerprint: str,
         max_pinned_blocks: int | None = None,
         tiers: BlockTiers | None = None,
+        window: SlidingWindow | None = None,
+        on_free: Callable[[list[int]], None] | None = None,
     ) -> None:
+        if window is not None and (enable_prefix_caching or tiers is not None):
+            raise ValueError("window mode caches no prefix blocks")
         self.pool = BlockPool(num_blocks)
+        self.window = window
+        self.on_free = on_free
         self.tiers = tiers
         self.pins = PinRegistry(
             self.pool, num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
@@ -45,6 +58,11 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def max_blocks_held(self, num_tokens: int) -> int:
+        """Most blocks a request of num_tokens tokens holds at once."""
+        blocks = self.blocks_needed(num_tokens)
+        return blocks if self.window is None else min(blocks, self.window.max_blocks)
 
     def _extra_keys(self, request: Request) -> tuple[str, ...]:
         return self._salted_keys(request.cache_salt)
@@ -104,7 +122,7 @@ class KVCacheManager:
         """
         hit_blocks = hit.blocks if hit else []
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
-        num_held = len(request.blocks) + len(hit_blocks)
+        num_held = len(request.blocks) + request.num_evicted_blocks + len(hit_blocks)
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - num_held
         # Reviving a free cached block takes it out of the free queue too.
         num_revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
@@ -149,9 +167,29 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its head stays cached longest."""
-        self.pool.free(reversed(request.blocks))
+        self._free_blocks(list(reversed(request.blocks)))
         request.blocks = []
+        request.num_evicted_blocks = 0
         request.num_computed_tokens = 0
+
+    def slide_window(self, request: Request) -> None:
+        """Window mode: free the request's blocks no later query can see (sinks stay)."""
+        if self.window is None:
+            return
+        num_dead = self.window.num_dead_blocks(request.num_computed_tokens)
+        num_new = num_dead - request.num_evicted_blocks
+        if num_new <= 0:
+            return
+        first = self.window.num_sink_blocks
+        dead = request.blocks[first:first + num_new]
+        del request.blocks[first:first + num_new]
+        request.num_evicted_blocks += num_new
+        self._free_blocks(dead)
+
+    def _free_blocks(self, blocks: list[KVBlock]) -> None:
+        self.pool.free(blocks)
+        if self.on_free is not None:
+            self.on_free([b.block_id for b in blocks if b.ref_cnt == 0])
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()

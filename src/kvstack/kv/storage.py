@@ -2,9 +2,16 @@
 
 Layout per layer: `k[layer]`, `v[layer]`: [num_blocks * block_size, H_kv, D]. A slot is
 `block_id * block_size + offset`; a request's slots follow its block table.
+
+This class stores K/V as floats (the model's dtype, or another float dtype cast on write and
+back on read); `kv/quantized.py` and `kv/int4.py` store them quantized behind the same methods.
+A block's bytes (`read_block`, `write_blocks`: what the tiers keep) are its slice of every
+tensor in `_block_views` order, so they carry the KV dtype's scales with them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -12,44 +19,81 @@ from kvstack.config import ModelConfig
 
 
 class KVCacheStorage:
-    """Owns the K/V bytes. Knows slots, never which request owns them."""
+    """Owns the K/V bytes. Knows slots, never which request owns them.
+
+    `basis`: None, or an orthonormal [D, D] matrix B in which K/V are stored and read back
+    (x @ B on the head dimension). Attention then multiplies queries by B and its output by
+    B^T, which leaves scores and outputs unchanged (B B^T = I).
+    """
+
+    basis: torch.Tensor | None = None
 
     def __init__(
-        self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+        self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = dtype
+        self.dtype = dtype  # of the stored elements
+        self.compute_dtype = compute_dtype or dtype  # of what `read` returns
         shape = (num_blocks * block_size, model.num_kv_heads, model.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
 
     @property
+    def lossy(self) -> bool:
+        """True when K/V read back differ from what was written (cast or quantized): attention
+        then always reads them back, so a prefix hit computes what a cold run computed."""
+        return self.dtype != self.compute_dtype
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this storage allocated."""
+        return [*self.k, *self.v]
+
+    @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def write(
         self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """slots: [T] int64; k, v: [T, H_kv, D]."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots: any int64 shape S -> (k, v) each [*S, H_kv, D] (a gathered copy)."""
-        return self.k[layer][slots], self.v[layer][slots]
+        """slots: any int64 shape S -> (k, v) each [*S, H_kv, D] in `compute_dtype` (a gathered
+        copy)."""
+        k, v = self.k[layer][slots], self.v[layer][slots]
+        if self.lossy:
+            return k.to(self.compute_dtype), v.to(self.compute_dtype)
+        return k, v
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """These blocks were freed; storages that keep per-block state drop it."""
+
+    # -- whole blocks, as bytes (the tiers) -------------------------------------------------
+
+    def _block_views(self, block_id: int) -> list[torch.Tensor]:
+        """The block's slice of every tensor, in payload order: per layer, K then V. (For
+        float dtypes: [num_layers, 2, block_size, H_kv, D], the tier format since version 1.)"""
+        start, end = block_id * self.block_size, (block_id + 1) * self.block_size
+        return [t[start:end] for kv in zip(self.k, self.v, strict=True) for t in kv]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._block_views(0))
 
     def read_block(self, block_id: int) -> torch.Tensor:
-        """One block of every layer, copied out: [num_layers, 2 (k, v), block_size, H_kv, D]."""
-        start, end = block_id * self.block_size, (block_id + 1) * self.block_size
-        return torch.stack([torch.stack((k[start:end], v[start:end]))
-                            for k, v in zip(self.k, self.v, strict=True)])
+        """One block of every layer, copied out as bytes: uint8 [block_bytes]."""
+        return torch.cat([t.reshape(-1).view(torch.uint8) for t in self._block_views(block_id)])
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """The inverse of `read_block` for many blocks: data [N, num_layers, 2, block_size,
-        H_kv, D] with N == len(block_ids)."""
+        """The inverse of `read_block` for many blocks: data uint8 [N, block_bytes]."""
+        self.release(block_ids)
         for i, block_id in enumerate(block_ids):
-            start, end = block_id * self.block_size, (block_id + 1) * self.block_size
-            for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
-                k[start:end].copy_(data[i, layer, 0])
-                v[start:end].copy_(data[i, layer, 1])
+            offset = 0
+            for view in self._block_views(block_id):
+                raw = view.view(torch.uint8).reshape(-1)
+                raw.copy_(data[i, offset:offset + raw.numel()])
+                offset += raw.numel()

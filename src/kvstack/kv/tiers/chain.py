@@ -107,8 +107,7 @@ class _Writer:
         data = job.data
         if data is None:
             assert job.block is not None
-            data = self.format.encode(job.block_hash, job.block.reshape(-1).view(torch.uint8)
-                                      .numpy())
+            data = self.format.encode(job.block_hash, job.block.numpy())
         for tier in job.tiers:
             tier.store(job.block_hash, data)
 
@@ -198,13 +197,11 @@ class TierChain:
         return payloads
 
     def _tensor(self, payload: memoryview) -> torch.Tensor:
-        """[1, num_layers, 2, block_size, H_kv, D] in the storage dtype, on the payload's bytes
-        where they are writable (a disk read), else on a copy (torch wants writable buffers)."""
-        fmt = self.format
+        """uint8 [1, block bytes], on the payload's bytes where they are writable (a disk
+        read), else on a copy (torch wants writable buffers)."""
         data = torch.frombuffer(payload if not payload.readonly else bytearray(payload),
                                 dtype=torch.uint8)
-        return data.view(self.storage.dtype).view(1, fmt.num_layers, 2, fmt.block_size,
-                                                  fmt.num_kv_heads, fmt.head_dim)
+        return data.view(1, -1)
 
     # -- offload ----------------------------------------------------------------------------
 
@@ -215,7 +212,7 @@ class TierChain:
             if block_hash in self._stored:
                 continue
             block = self.storage.read_block(block_id)
-            nbytes = block.numel() * block.element_size()
+            nbytes = block.numel()
             if self._writer.submit(_Job(block_hash, block, None, self.tiers, nbytes), wait):
                 self._remember(block_hash)
             else:

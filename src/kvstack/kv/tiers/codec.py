@@ -3,18 +3,21 @@
     offset  size  field
          0     8  magic b"KVSTBLK\\0"
          8     2  format version (u16, little endian like every field)
-        10     1  dtype code (1 float32, 2 bfloat16, 3 float16)
+        10     1  KV dtype code (1 float32, 2 bfloat16, 3 float16, 4 int8, 5 fp8, 6 int4)
         11     1  reserved (0)
         12     8  layout: num_layers, num_kv_heads, head_dim, block_size (u16 each)
         20    32  model fingerprint (sha256: weights, tokenizer, dtype)
         52    32  block hash (the chained prefix hash the block is stored under)
         84     8  payload length in bytes
         92     4  crc32 of the payload
-        96     -  payload: [num_layers, 2 (k, v), block_size, H_kv, D] in `dtype`, C order
+        96     -  payload: the block's slice of every storage tensor (`KVCacheStorage.
+                  read_block`); float dtypes: [num_layers, 2 (k, v), block_size, H_kv, D] in
+                  C order; quantized ones add their scales (`kv/kv_dtype.py` has the sizes)
 
 A reader checks every field against what it expects before it trusts a byte of payload, so a
 truncated, corrupted, foreign (other model, dtype or layout) or misfiled block is a `BlockFault`
-— a miss — never K/V of the wrong tokens.
+— a miss — never K/V of the wrong tokens. Blocks of another KV dtype never match: the dtype is
+in the engine fingerprint (so in every block hash) and in the header.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ import zlib
 from dataclasses import dataclass
 
 from kvstack.kv.block_hash import BlockHash
+from kvstack.kv.kv_dtype import layer_block_bytes
 
 MAGIC = b"KVSTBLK\0"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sHBx4H32s32sQI")
-DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3, "int8": 4, "fp8": 5, "int4": 6}
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 
 
@@ -91,8 +94,8 @@ class BlockFormat:
 
     @property
     def payload_bytes(self) -> int:
-        elems = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-        return elems * DTYPE_BYTES[self.dtype]
+        return self.num_layers * layer_block_bytes(self.dtype, self.num_kv_heads, self.head_dim,
+                                                   self.block_size)
 
     @property
     def block_bytes(self) -> int:

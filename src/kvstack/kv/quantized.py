@@ -1,0 +1,127 @@
+"""int8 and fp8 (e4m3) K/V: one byte per element, a float16 scale per token and KV head.
+
+Quantized on write (`write` sees only the step's new tokens), dequantized on read (`read`
+gathers only the slots attention asks for), so a decode step dequantizes what it attends to
+and nothing else. Per (token, head) row x of D values:
+
+    scale = max(|x|) / QMAX   (QMAX 127 for int8, 448 for e4m3), stored as float16
+    int8: q = round(x / scale) in [-127, 127]      |x - q * scale| <= scale / 2
+    fp8:  q = e4m3(x / scale) (3 mantissa bits)    |x - q * scale| <= |x| / 16 + scale / 2**10
+
+int8 rows are first rotated by a normalized Hadamard matrix (`basis`, as in QuaRot): keys
+have a few channels ~10x the others, which would set every row's int8 step; rotated, the
+energy spreads over all channels and the step shrinks ~2x. On the embedded model that lifts
+greedy agreement with the float32 cache from 45% to 75% of tokens; fp8, whose error is
+relative to each value, does better unrotated. The rotation costs attention two [D, D]
+products on queries and outputs, not one per cached token.
+
+`make_kv_storage` picks the storage class of a KV dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstack.config import ModelConfig
+from kvstack.kv.int4 import Int4KVStorage
+from kvstack.kv.storage import KVCacheStorage
+
+# Below this a float16 scale goes subnormal and loses precision; rows that small (|x| < 8e-3)
+# are quantized in steps of 6e-5 instead.
+MIN_SCALE = 2.0**-14
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+_STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The normalized Walsh-Hadamard matrix [n, n] (n a power of two): symmetric, orthonormal,
+    entries +-1/sqrt(n)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), dim=1), torch.cat((h, -h), dim=1)))
+    return h / n**0.5
+
+
+def quantize_rows(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., D] -> (q [..., D] int8 or float8_e4m3fn, scale [...] float16)."""
+    qmax = _QMAX[kv_dtype]
+    x = x.float()
+    scale = (x.abs().amax(-1) / qmax).clamp_(min=MIN_SCALE).to(torch.float16)
+    y = (x / scale.float().unsqueeze(-1)).clamp_(-qmax, qmax)
+    if kv_dtype == "int8":
+        return y.round_().to(torch.int8), scale
+    return y.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `quantize_rows`, in `dtype`."""
+    scale = scale.float().unsqueeze(-1)
+    if q.dtype == torch.int8:
+        return (q.float() * scale).to(dtype)
+    return (fp8_to_float(q) * (scale * 256.0)).to(dtype)
+
+
+def fp8_to_float(q: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> float32 / 256, bit for bit, ~3x faster than torch's CPU cast.
+
+    e4m3 is s eeee mmm (bias 7); moved up 7 bits (sign to bit 15, bit 14 cleared) it reads as
+    a float16 s 0eeee mmm0000000 (bias 15) worth the value / 2**8, subnormals included.
+    """
+    wide = q.view(torch.int8).to(torch.int16) * 128  # sign-extended: bits 15 and 14 = sign
+    return (wide & -16512).view(torch.float16).float()  # -16512 = 0xBF80: clear bit 14
+
+
+class QuantizedKVStorage(KVCacheStorage):
+    """`k[layer]`, `v[layer]`: [slots, H_kv, D] int8 or float8_e4m3fn;
+    `k_scale[layer]`, `v_scale[layer]`: [slots, H_kv] float16."""
+
+    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, kv_dtype: str,
+                 compute_dtype: torch.dtype) -> None:
+        super().__init__(model, num_blocks, block_size, _STORED[kv_dtype], compute_dtype)
+        self.kv_dtype = kv_dtype
+        rows = (num_blocks * block_size, model.num_kv_heads)
+        self.k_scale = [torch.ones(rows, dtype=torch.float16) for _ in self.k]
+        self.v_scale = [torch.ones(rows, dtype=torch.float16) for _ in self.v]
+        dim = model.head_dim
+        if kv_dtype == "int8" and dim & (dim - 1) == 0:
+            self.basis = hadamard(dim).to(compute_dtype)
+
+    @property
+    def lossy(self) -> bool:
+        return True
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for x, data, scales in ((k, self.k[layer], self.k_scale[layer]),
+                                (v, self.v[layer], self.v_scale[layer])):
+            q, scale = quantize_rows(x if self.basis is None else x @ self.basis, self.kv_dtype)
+            # Through int8 views: CPU index ops do not take float8 tensors.
+            data.view(torch.int8).index_copy_(0, slots, q.view(torch.int8))
+            scales.index_copy_(0, slots, scale)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cd, stored = self.compute_dtype, self.dtype
+        k = self.k[layer].view(torch.int8)[slots].view(stored)
+        v = self.v[layer].view(torch.int8)[slots].view(stored)
+        return (dequantize_rows(k, self.k_scale[layer][slots], cd),
+                dequantize_rows(v, self.v_scale[layer][slots], cd))
+
+    def _block_views(self, block_id: int) -> list[torch.Tensor]:
+        # Per layer: K, V, K scales, V scales.
+        start, end = block_id * self.block_size, (block_id + 1) * self.block_size
+        tensors = zip(self.k, self.v, self.k_scale, self.v_scale, strict=True)
+        return [t[start:end] for group in tensors for t in group]
+
+
+def make_kv_storage(model: ModelConfig, num_blocks: int, block_size: int, kv_dtype: str,
+                    compute_dtype: torch.dtype, max_num_seqs: int) -> KVCacheStorage:
+    """The storage of a resolved KV dtype (`kv/kv_dtype.py`): float, int8/fp8 or int4."""
+    if kv_dtype in _FLOAT_DTYPES:
+        return KVCacheStorage(model, num_blocks, block_size, _FLOAT_DTYPES[kv_dtype],
+                              compute_dtype)
+    if kv_dtype == "int4":
+        return Int4KVStorage(model, num_blocks, block_size, compute_dtype, max_num_seqs)
+    return QuantizedKVStorage(model, num_blocks, block_size, kv_dtype, compute_dtype)
