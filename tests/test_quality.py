@@ -114,3 +114,31 @@ def test_greedy_agreement_counts_up_to_first_divergence() -> None:
     assert greedy_agreement([[1, 2]], [[1, 2]]).token_agreement == 1.0
     with pytest.raises(InvalidRequestError):
         greedy_agreement([[1]], [])
+
+
+def test_eval_ppl_command_writes_its_table(tmp_path: Any, capsys: pytest.CaptureFixture[str]
+                                           ) -> None:
+    import json
+
+    from kvstack.cli.main import main
+
+    out = tmp_path / "ppl.json"
+    code = main(["eval", "ppl", "--tokens", "64", "--window", "32", "--agreement-tokens", "4",
+                 "--formats", "float32-reference,int8", "--out", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["float32-reference", "int8"]
+    ref, int8 = rows
+    assert ref["perplexity_change"] == 0 and ref["token_agreement"] == 1.0
+    assert int8["weight_bytes"] < ref["weight_bytes"] / 3  # int8 + scales vs fp32
+    assert abs(int8["perplexity_change"]) < 0.05
+    printed = capsys.readouterr().out
+    assert "float32-reference" in printed and "int8" in printed
+
+
+def test_eval_ppl_rejects_unknown_formats(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstack.cli.main import main
+
+    assert main(["eval", "ppl", "--formats", "float32,fp4"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown format" in err and "fp4" in err and err.count("\n") == 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvstack.kernels import ops as kernel_ops
 from kvstack.kv.storage import KVCacheStorage
 from kvstack.window_attention import WindowSpan, window_attention
 
@@ -35,6 +36,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B_d, 1, 1, max_ctx] True where a key is real
     prefills: list[PrefillSpan]
     window: list[WindowSpan] | None = None  # window mode: every query goes through these
+    decode_lens: torch.Tensor | None = None  # [B_d] real keys per decode row (int64)
+    use_kernels: bool = False  # the C decode kernel may run (False: PyTorch ops only)
 
 
 def paged_attention(
@@ -72,13 +75,14 @@ def _attend(
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         assert kv is not None
-        kd, vd = kv.read(layer, meta.decode_slots)  # [B, S, H_kv, D]
-        qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-        od = F.scaled_dot_product_attention(
-            qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
-            enable_gqa=True,
-        )
-        out[meta.decode_rows] = od.squeeze(2)
+        if not _decode_kernel(layer, q, out, meta, kv):
+            kd, vd = kv.read(layer, meta.decode_slots)  # [B, S, H_kv, D]
+            qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+            od = F.scaled_dot_product_attention(
+                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
+                enable_gqa=True,
+            )
+            out[meta.decode_rows] = od.squeeze(2)
     for span in meta.prefills:
         # 4-D [1, H, q, D] inputs: 3-D ones miss SDPA's fused CPU kernel (5x slower).
         qs = q[span.start : span.end].transpose(0, 1)[None]
@@ -99,3 +103,26 @@ def _attend(
             )
         out[span.start : span.end] = os_[0].transpose(0, 1)
     return out
+
+
+def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
+                   kv: KVCacheStorage) -> bool:
+    """Decode rows through the C kernel, reading K/V slots in place (no gathered copy of the
+    context per step); False where it does not apply (lossy storage, kernels off)."""
+    tensors = kv.layer_tensors(layer)
+    if (not meta.use_kernels or meta.decode_lens is None or tensors is None
+            or not kernel_ops.available(q.dtype)):
+        return False
+    k_cache, v_cache = tensors
+    if k_cache.dtype != q.dtype:
+        return False
+    rows = meta.decode_rows
+    only_decodes = not meta.prefills and rows.numel() == q.shape[0]
+    qd = q if only_decodes else q[rows]
+    od = kernel_ops.decode_attention(qd.contiguous(), k_cache, v_cache, meta.decode_slots,
+                                     meta.decode_lens, q.shape[-1] ** -0.5)
+    if only_decodes:
+        out.copy_(od)
+    else:
+        out[rows] = od
+    return True

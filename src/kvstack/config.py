@@ -210,7 +210,19 @@ class EngineConfig:
     num_threads: int | None = None
     # Token-id prompts only, no text out: for checkpoints shipped without a tokenizer.
     skip_tokenizer_init: bool = False
+    # Weight-only quantization of the linear layers: None (weights in `dtype`) or "int8".
+    quantization: str | None = None
+    # "auto": C kernels for decode-sized products where the CPU has AVX-512 and a compiler;
+    # "torch": PyTorch ops only (the reference path).
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise InvalidRequestError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise InvalidRequestError(
+                f"quantization must be 'int8' or None, got {self.quantization!r}"
+            )
+        if self.kernels not in ("auto", "torch"):
+            raise InvalidRequestError(f"kernels must be 'auto' or 'torch', got {self.kernels!r}")
+

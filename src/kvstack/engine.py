@@ -46,10 +46,15 @@ class LLMEngine:
         self.model_config = ckpt.config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(ckpt)
         self.dtype = _DTYPES[config.dtype]
-        self.model = model_class(ckpt.config.architecture)(ckpt.config, self.dtype)
+        self.model = model_class(ckpt.config.architecture)(
+            ckpt.config, self.dtype, config.quantization, use_kernels=config.kernels == "auto"
+        )
         self.model.load_weights(ckpt.tensors)
-        # Blocks are only shared between engines with the same weights, tokenizer and dtype,
+        # Blocks are only shared between engines with the same weights, tokenizer, dtype and
+        # weight format (int8 weights give other K/V).
         fingerprint = f"{ckpt.fingerprint}|{config.dtype}"
+        if config.quantization:
+            fingerprint += f"|{config.quantization}"
         cache = config.cache
         self.kv_cache_dtype = resolve(cache.kv_cache_dtype, config.dtype)
         self.window = (SlidingWindow(cache.kv_window, cache.kv_sink_tokens, cache.block_size)

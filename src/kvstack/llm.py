@@ -26,6 +26,10 @@ class LLM:
     directory (capped at `kv_disk_size`) and a Redis server, and reused from there by later
     processes. `close()` (or leaving a `with` block) waits for pending writes.
 
+    `dtype` is the activations' and weights' dtype; `quantization="int8"` holds the linear
+    weights as int8 with per-channel scales (activations stay in `dtype`). `kernels="torch"`
+    turns off the C decode kernels (the reference path).
+
     `kv_cache_dtype` stores K/V as "auto" (the model dtype), "float32", "bfloat16", "float16",
     "int8", "fp8" (e4m3) or "int4" (KIVI-style), quantized on write and dequantized on read.
     `kv_window=N` (with `kv_sink_tokens`, default 4) turns on the APPROXIMATE sliding-window
@@ -54,6 +58,8 @@ class LLM:
         kv_cache_dtype: str = "auto",
         kv_window: int | None = None,
         kv_sink_tokens: int = 4,
+        quantization: str | None = None,
+        kernels: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -77,6 +83,8 @@ class LLM:
             ),
             num_threads=num_threads,
             skip_tokenizer_init=skip_tokenizer_init,
+            quantization=quantization,
+            kernels=kernels,
         )
         self.engine = LLMEngine(config)
 

@@ -139,6 +139,8 @@ class ModelRunner:
             meta.decode_rows = torch.tensor(decode_rows)
             meta.decode_slots = slots
             meta.decode_mask = mask
+            meta.decode_lens = torch.tensor([len(c) for c in decode_ctx], dtype=torch.int64)
+            meta.use_kernels = getattr(self.model, "use_kernels", False)
         return (
             torch.tensor(ids, dtype=torch.int64),
             torch.tensor(pos, dtype=torch.int64),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -11,14 +10,10 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvstack.errors import ModelLoadError
+from kvstack.paths import cache_root
 from kvstack.weights.checkpoint import Checkpoint, one_line
 
 logger = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    """$KVSTACK_CACHE_DIR, else ~/.cache/kvstack."""
-    return Path(os.environ.get("KVSTACK_CACHE_DIR") or Path.home() / ".cache" / "kvstack")
 
 
 def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase:

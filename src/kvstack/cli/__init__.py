@@ -69,7 +69,12 @@ def add_model_args(parser: argparse.ArgumentParser, cache_switches: bool = True)
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help="the embedded model's name, a .gguf file or a Hugging Face folder")
     group.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                       help="weights and KV cache dtype")
+                       help="weights and activations dtype")
+    group.add_argument("--quantization", default=None, choices=("int8",),
+                       help="weight-only quantization of the linear layers (per-channel int8)")
+    group.add_argument("--kernels", default="auto", choices=("auto", "torch"),
+                       help="auto: C kernels for decode where the CPU allows; torch: PyTorch "
+                       "ops only (the reference path)")
     group.add_argument("--kv-cache-memory", type=byte_size, default="1GiB", metavar="SIZE",
                        help="bytes of K/V storage to preallocate, e.g. 512MiB or 2GiB")
     group.add_argument("--block-size", type=positive_int, default=16, metavar="N",
@@ -128,6 +133,8 @@ def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
         "use_kv_cache": not args.no_kv_cache,
         "enable_prefix_caching": not args.no_prefix_caching,
         "num_threads": args.threads,
+        "quantization": args.quantization,
+        "kernels": args.kernels,
     }
     # A baseline built with its caches off (e.g. the demo's) has no tiers (or KV options) either.
     if overrides.get("use_kv_cache") is not False:

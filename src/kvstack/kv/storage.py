@@ -46,6 +46,11 @@ class KVCacheStorage:
         then always reads them back, so a prefix hit computes what a cold run computed."""
         return self.dtype != self.compute_dtype
 
+    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This layer's K and V tensors [slots, H_kv, D], for kernels that read slots in
+        place; None when what is stored is not what `read` returns (lossy storage)."""
+        return None if self.lossy else (self.k[layer], self.v[layer])
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this storage allocated."""
         return [*self.k, *self.v]

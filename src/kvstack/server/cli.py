@@ -80,8 +80,8 @@ def api_keys(args: argparse.Namespace) -> list[str]:
 
 
 def semantic_config(args: argparse.Namespace) -> SemanticCacheConfig | None:
+    from kvstack.paths import cache_root
     from kvstack.semantic.cache import SemanticCacheConfig
-    from kvstack.tokenizer import cache_root
 
     given = {"--semantic-threshold": args.semantic_threshold, "--semantic-dir": args.semantic_dir,
              "--semantic-ttl": args.semantic_ttl,

@@ -1,0 +1,124 @@
+"""Build and load the C kernels (`gemv.c`, `ops.c`) with the machine's C compiler, once per
+source and CPU: the library is cached under ~/.cache/kvstack/kernels/<key>/
+(`KVSTACK_CACHE_DIR` moves the cache root), so later processes load it in milliseconds.
+
+The kernels need x86-64 with AVX-512; anywhere else, or without a compiler, or with
+`KVSTACK_KERNELS=0`, `load()` returns None and the model uses PyTorch's ops throughout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from contextlib import ExitStack
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+from kvstack.paths import cache_root
+
+log = logging.getLogger(__name__)
+
+_SOURCES = ("gemv.c", "ops.c")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    # x, rows, k, w, n, scale, bias, y, threads
+    "gemv": [_P, _I64, _I64, _P, _I64, _P, _P, _P, _INT],
+    # x, residual, rows, d, w, eps, out
+    "rms_norm": [_P, _P, _I64, _I64, _P, _F32, _P],
+    # x, rows, stride, heads, dim, cos, sin
+    "rope": [_P, _I64, _I64, _I64, _I64, _P, _P],
+    # gate_up, rows, inter, out
+    "silu_mul": [_P, _I64, _I64, _P],
+    # q, k, v, slots, lens, seqs, max_ctx, heads, kv_heads, dim, scale, out, threads
+    "decode_attention": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT],
+}
+_SUFFIXES = {"gemv": ("f32", "bf16", "i8")}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _supported() -> str | None:
+    """Why the kernels cannot run here, or None."""
+    if os.environ.get("KVSTACK_KERNELS", "1") == "0":
+        return "disabled by KVSTACK_KERNELS=0"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"no AVX-512 kernels for {platform.machine()}"
+    flags = _cpu_flags().split()
+    if "avx512f" not in flags or "avx512bw" not in flags:
+        return "this CPU lacks AVX-512 (avx512f, avx512bw)"
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        return "no C compiler (cc) on PATH"
+    return None
+
+
+def _build(sources: list[Path], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [os.environ.get("CC", "cc"), *_FLAGS, *map(str, sources), "-o", tmp, "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it on first use; None where it cannot run."""
+    reason = _supported()
+    if reason is not None:
+        log.info("kvstack C kernels off: %s", reason)
+        return None
+    folder = resources.files("kvstack.kernels")
+    code = b"".join(folder.joinpath(name).read_bytes() for name in _SOURCES)
+    key = hashlib.sha256(code + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()
+    target = cache_root() / "kernels" / key[:16] / "libkvstack_kernels.so"
+    try:
+        if not target.exists():
+            with ExitStack() as stack:
+                paths = [stack.enter_context(resources.as_file(folder.joinpath(name)))
+                         for name in _SOURCES]
+                _build(paths, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        log.warning("kvstack C kernels off: build failed: %s", detail.strip()[:500])
+        return None
+    for base, argtypes in _SIGNATURES.items():
+        for suffix in _SUFFIXES.get(base, ("f32", "bf16")):
+            fn = getattr(lib, f"{base}_{suffix}")
+            fn.argtypes = argtypes
+            fn.restype = None
+    return lib
+
+
+def status() -> str:
+    """One line for humans: where the kernels come from, or why they are off."""
+    reason = _supported()
+    if reason is not None:
+        return f"C kernels off: {reason}"
+    return "C kernels: AVX-512, built" if load() is not None else "C kernels off: build failed"
+
+
+if __name__ == "__main__":  # `python -m kvstack.kernels.build`: build now (make install does)
+    print(status())

@@ -1,0 +1,132 @@
+/* Skinny matrix products for decode: y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for the
+ * rows of a decode step, with W in the reference's [out, in] row-major layout stored as fp32, bf16 or int8
+ * (int8: times a per-row scale). Decode is bound by streaming W from memory, so each W row is
+ * read from memory once for all rows of x, 16 lanes per instruction, and the output
+ * columns are split between OpenMP threads (the same runtime PyTorch uses).
+ *
+ * The reduction order of a row never depends on how many rows x has, so a token's result is
+ * the same whatever else shares its step.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+
+static inline __m512 load_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+static inline __m512 load_bf16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 load_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* Masked tails (K % 16), so any K works. */
+static inline __m512 load_f32_tail(const float *p, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, p);
+}
+static inline __m512 load_bf16_tail(const uint16_t *p, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load_i8_tail(const int8_t *p, __mmask16 m) {
+    __m128i b = _mm_maskz_loadu_epi8(m, p);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+
+/* R rows of x (R = 1..4, a compile-time constant so the 4R accumulators stay in registers)
+ * against one block of NB W rows (NB = 4, or 1 for the last rows when n % 4 != 0). */
+#define DEFINE_BLOCK(SUF, WT, LOAD, LOAD_TAIL, R, NB)                                          \
+    static inline void block_##SUF##_##R##_##NB(const float *x, int64_t k, const WT *w,        \
+                                               __m512 out[R][NB]) {                            \
+        const int64_t k16 = k & ~(int64_t)15;                                                 \
+        __m512 acc[R][NB];                                                                     \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm512_setzero_ps();                      \
+        for (int64_t i = 0; i < k16; i += 16) {                                                \
+            __m512 wv[NB];                                                                     \
+            for (int j = 0; j < NB; j++) wv[j] = LOAD(w + j * k + i);                          \
+            for (int r = 0; r < R; r++) {                                                      \
+                const __m512 xv = _mm512_loadu_ps(x + r * k + i);                               \
+                for (int j = 0; j < NB; j++) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]); \
+            }                                                                                  \
+        }                                                                                      \
+        if (k16 < k) {                                                                         \
+            const __mmask16 tail = (__mmask16)((1u << (k - k16)) - 1u);                         \
+            __m512 wv[NB];                                                                     \
+            for (int j = 0; j < NB; j++) wv[j] = LOAD_TAIL(w + j * k + k16, tail);             \
+            for (int r = 0; r < R; r++) {                                                      \
+                const __m512 xv = _mm512_maskz_loadu_ps(tail, x + r * k + k16);                 \
+                for (int j = 0; j < NB; j++) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]); \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < NB; j++) out[r][j] = acc[r][j];                                \
+    }
+
+#define DEFINE_BLOCKS(SUF, WT, LOAD, LOAD_TAIL)                                                 \
+    DEFINE_BLOCK(SUF, WT, LOAD, LOAD_TAIL, 1, 8) DEFINE_BLOCK(SUF, WT, LOAD, LOAD_TAIL, 2, 8)  \
+    DEFINE_BLOCK(SUF, WT, LOAD, LOAD_TAIL, 3, 4) DEFINE_BLOCK(SUF, WT, LOAD, LOAD_TAIL, 4, 4)  \
+    DEFINE_BLOCK(SUF, WT, LOAD, LOAD_TAIL, 1, 1) DEFINE_BLOCK(SUF, WT, LOAD, LOAD_TAIL, 2, 1)  \
+    DEFINE_BLOCK(SUF, WT, LOAD, LOAD_TAIL, 3, 1) DEFINE_BLOCK(SUF, WT, LOAD, LOAD_TAIL, 4, 1)
+
+/* Write R x NB sums, scaled and biased. */
+#define STORE(R, NB)                                                                           \
+    for (int r = 0; r < R; r++)                                                                \
+        for (int j = 0; j < NB; j++) {                                                         \
+            float s_ = _mm512_reduce_add_ps(acc##R##_##NB[r][j]);                              \
+            if (scale) s_ *= scale[n0 + j];                                                    \
+            if (bias) s_ += bias[n0 + j];                                                      \
+            y[(r0 + r) * n + n0 + j] = s_;                                                     \
+        }
+
+#define CALL(SUF, R, NB)                                                                       \
+    {                                                                                          \
+        __m512 acc##R##_##NB[R][NB];                                                           \
+        block_##SUF##_##R##_##NB(x + r0 * k, k, w + n0 * k, acc##R##_##NB);                    \
+        STORE(R, NB)                                                                           \
+    }
+
+/* Each block of 8 W rows (18 KiB in fp32: it stays in L1) is used for every row of x, up to
+ * 4 x rows at a time (1-2 rows x 8 W rows, or 3-4 x 4, fit the 32 vector registers), so a
+ * batch of decodes streams W from memory once. */
+#define DEFINE_GEMV(NAME, SUF, WT)                                                             \
+    void NAME(const float *x, int64_t rows, int64_t k, const WT *w, int64_t n,                \
+              const float *scale, const float *bias, float *y, int threads) {                  \
+        const int64_t nblocks = (n + 7) / 8;                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                       \
+        for (int64_t b = 0; b < nblocks; b++) {                                                \
+            const int64_t nb = b * 8;                                                          \
+            for (int64_t r0 = 0; r0 < rows; r0 += 4) {                                         \
+                const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;                               \
+                if (n - nb >= 8) {                                                             \
+                    const int64_t n0 = nb;                                                     \
+                    switch (rr) {                                                              \
+                    case 1: CALL(SUF, 1, 8) break;                                             \
+                    case 2: CALL(SUF, 2, 8) break;                                             \
+                    case 3: CALL(SUF, 3, 4) { const int64_t n0 = nb + 4; CALL(SUF, 3, 4) } break; \
+                    default: CALL(SUF, 4, 4) { const int64_t n0 = nb + 4; CALL(SUF, 4, 4) } break; \
+                    }                                                                          \
+                } else {                                                                       \
+                    for (int64_t n0 = nb; n0 < n; n0++) {                                      \
+                        switch (rr) {                                                          \
+                        case 1: CALL(SUF, 1, 1) break;                                         \
+                        case 2: CALL(SUF, 2, 1) break;                                         \
+                        case 3: CALL(SUF, 3, 1) break;                                         \
+                        default: CALL(SUF, 4, 1) break;                                        \
+                        }                                                                      \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+DEFINE_BLOCKS(f32, float, load_f32, load_f32_tail)
+DEFINE_BLOCKS(bf16, uint16_t, load_bf16, load_bf16_tail)
+DEFINE_BLOCKS(i8, int8_t, load_i8, load_i8_tail)
+
+DEFINE_GEMV(gemv_f32, f32, float)
+DEFINE_GEMV(gemv_bf16, bf16, uint16_t)
+DEFINE_GEMV(gemv_i8, i8, int8_t)
+

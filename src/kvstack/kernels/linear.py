@@ -1,0 +1,87 @@
+"""Linear layers in a chosen weight format, each product done by the kernel that suits its
+shape: the C kernels (`gemv.c`) for the few rows of a decode step, PyTorch's matmul (MKL /
+oneDNN) for prefill-sized inputs.
+
+Weights are held in the activations' dtype, or with `quantization="int8"` weight-only int8,
+symmetric per output channel (w ~= q * scale[out], q in [-127, 127]); activations stay in the
+model dtype. The C kernels cover fp32, bf16 and int8 weights; other dtypes (float64 in tests)
+always take PyTorch's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from kvstack.kernels import build
+
+# Up to this many rows a step streams each weight once through the C kernel (its cost is the
+# weight bytes); above it PyTorch's blocked matmul wins (its cost is FLOPs).
+MAX_KERNEL_ROWS = 16
+
+_GEMV = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16", torch.int8: "gemv_i8"}
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [out, in], float32 scale [out]); symmetric, per output row."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+class Linear:
+    """y = x @ W.T (+ b) for x: [T, in] in `act_dtype` -> [T, out] in `act_dtype`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype,
+                 quantization: str | None = None, use_kernels: bool = True) -> None:
+        if quantization not in (None, "int8"):
+            raise ValueError(f"unknown quantization {quantization!r}")
+        self.out_features, self.in_features = weight.shape
+        self.act_dtype = act_dtype
+        self.scale: torch.Tensor | None = None
+        if quantization == "int8":
+            self.weight, self.scale = quantize_int8(weight)
+        else:
+            self.weight = weight.to(act_dtype).contiguous()
+        self.bias = bias.to(act_dtype) if bias is not None else None
+        self._bias32 = bias.float().contiguous() if bias is not None else None
+        lib = build.load() if use_kernels and act_dtype in _GEMV else None
+        self._gemv = getattr(lib, _GEMV[self.weight.dtype]) if lib is not None else None
+
+    @property
+    def num_bytes(self) -> int:
+        extra = self.scale.numel() * 4 if self.scale is not None else 0
+        return self.weight.numel() * self.weight.element_size() + extra
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as `act_dtype` [out, in] (a new tensor for int8)."""
+        if self.scale is None:
+            return self.weight
+        return (self.weight.to(torch.float32) * self.scale[:, None]).to(self.act_dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self._gemv is not None and 0 < rows <= MAX_KERNEL_ROWS:
+            return self._kernel(x, rows)
+        if self.scale is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.act_dtype == torch.bfloat16:
+            y = torch._weight_int8pack_mm(x, self.weight, self.scale.to(torch.bfloat16))
+            return y + self.bias if self.bias is not None else y
+        return F.linear(x, self.dequantized(), self.bias)
+
+    def _kernel(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        x32 = x.to(torch.float32).contiguous()
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        self._gemv(
+            x32.data_ptr(), rows, self.in_features, self.weight.data_ptr(), self.out_features,
+            _ptr(self.scale), _ptr(self._bias32), y.data_ptr(), torch.get_num_threads(),
+        )
+        return y if self.act_dtype == torch.float32 else y.to(self.act_dtype)
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
+    return ctypes.c_void_p(t.data_ptr()) if t is not None else None

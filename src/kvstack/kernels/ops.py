@@ -1,0 +1,67 @@
+"""Typed wrappers of the fused decode operations in `ops.c` (fp32 and bf16 tensors).
+
+Callers check `available()` first; the model's PyTorch path is the fallback and the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvstack.kernels import build
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def available(dtype: torch.dtype) -> bool:
+    return dtype in _SUFFIX and build.load() is not None
+
+
+def _fn(base: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+    lib = build.load()
+    assert lib is not None, "check kernels.ops.available() first"
+    return getattr(lib, f"{base}_{_SUFFIX[dtype]}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, d] contiguous -> w * norm(x); with `residual`, x += residual first (in place)."""
+    rows, d = x.shape
+    out = torch.empty_like(x)
+    _fn("rms_norm", x.dtype)(
+        x.data_ptr(), residual.data_ptr() if residual is not None else None, rows, d,
+        weight.data_ptr(), eps, out.data_ptr(),
+    )
+    return out
+
+
+def rope_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor,
+          sin: torch.Tensor) -> None:
+    """Rotate the first `heads` heads (q then k) of each row of qkv [T, W] in place;
+    cos, sin: fp32 [T, head_dim]."""
+    rows, width = qkv.shape
+    _fn("rope", qkv.dtype)(qkv.data_ptr(), rows, width, heads, head_dim, cos.data_ptr(),
+                           sin.data_ptr())
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2 I] -> silu(gate) * up, [T, I]."""
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    _fn("silu_mul", gate_up.dtype)(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, H, D] contiguous; k_cache, v_cache: [slots, H_kv, D] of q's dtype; slots:
+    int64 [B, max_ctx]; lens: int64 [B] -> out [B, H, D]."""
+    seqs, heads, dim = q.shape
+    out = torch.empty_like(q)
+    _fn("decode_attention", q.dtype)(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lens.data_ptr(),
+        seqs, slots.shape[1], heads, k_cache.shape[1], dim, scale, out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
