@@ -194,3 +194,15 @@ def test_reduced_precision_stays_within_tolerance(
     assert ppl_fast <= ppl_ref * (1 + max_ppl_increase), (ppl_fast, ppl_ref)
     assert (fast - ref).abs().mean().item() < max_mean_abs
     assert not torch.equal(fast, ref)  # the format really is in use
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_strided_rows_into_their_slots(dtype: torch.dtype) -> None:
+    qkv = torch.randn(3, 5 * 8).to(dtype)  # per row: 1 q head, 2 k heads, 2 v heads of 8
+    k, v = qkv[:, 8:24].view(3, 2, 8), qkv[:, 24:].view(3, 2, 8)
+    k_cache, v_cache = torch.zeros(10, 2, 8, dtype=dtype), torch.zeros(10, 2, 8, dtype=dtype)
+    slots = torch.tensor([7, 0, 4])
+    kops.store_kv(k, v, slots, k_cache, v_cache)
+    assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
+    untouched = torch.tensor([1, 2, 3, 5, 6, 8, 9])
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstack.kernels import ops as kernel_ops
+from kvstack.kernels.linear import MAX_KERNEL_ROWS
 from kvstack.kv.storage import KVCacheStorage
 from kvstack.window_attention import WindowSpan, window_attention
 
@@ -49,7 +50,8 @@ def paged_attention(
     kv: KVCacheStorage | None,
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, H_kv, D] for the step's new tokens -> out [T, H, D]."""
-    if kv is not None and meta.slot_mapping is not None:
+    if kv is not None and meta.slot_mapping is not None and not _store_kernel(layer, k, v, meta,
+                                                                              kv):
         kv.write(layer, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     if meta.window is not None:
@@ -103,6 +105,21 @@ def _attend(
             )
         out[span.start : span.end] = os_[0].transpose(0, 1)
     return out
+
+
+def _store_kernel(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                  kv: KVCacheStorage) -> bool:
+    """`kv.write` as one C call (two index_copy_ per layer cost more than the copy itself at
+    decode sizes); False where it does not apply."""
+    if not meta.use_kernels or meta.slot_mapping is None or k.shape[0] > MAX_KERNEL_ROWS:
+        return False
+    tensors = kv.layer_tensors(layer)
+    if tensors is None or tensors[0].dtype != k.dtype or not kernel_ops.available(k.dtype):
+        return False
+    if k.stride()[1:] != (k.shape[2], 1) or v.stride() != k.stride():
+        return False
+    kernel_ops.store_kv(k, v, meta.slot_mapping, *tensors)
+    return True
 
 
 def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,

@@ -128,6 +128,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts) if slot_parts else None,
             decode_rows=None, decode_slots=None, decode_mask=None, prefills=prefills,
+            use_kernels=getattr(self.model, "use_kernels", False),
         )
         if decode_rows:
             max_ctx = max(len(c) for c in decode_ctx)
@@ -140,7 +141,6 @@ class ModelRunner:
             meta.decode_slots = slots
             meta.decode_mask = mask
             meta.decode_lens = torch.tensor([len(c) for c in decode_ctx], dtype=torch.int64)
-            meta.use_kernels = getattr(self.model, "use_kernels", False)
         return (
             torch.tensor(ids, dtype=torch.int64),
             torch.tensor(pos, dtype=torch.int64),

@@ -37,6 +37,8 @@ _SIGNATURES = {
     "rope": [_P, _I64, _I64, _I64, _I64, _P, _P],
     # gate_up, rows, inter, out
     "silu_mul": [_P, _I64, _I64, _P],
+    # k, v, rows, stride, slots, k_cache, v_cache, width
+    "store_kv": [_P, _P, _I64, _I64, _P, _P, _P, _I64],
     # q, k, v, slots, lens, seqs, max_ctx, heads, kv_heads, dim, scale, out, threads
     "decode_attention": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT],
 }

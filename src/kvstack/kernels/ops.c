@@ -136,3 +136,17 @@ DEFINE_SILU_MUL(f32, float)
 DEFINE_SILU_MUL(bf16, uint16_t)
 DEFINE_DECODE_ATTN(f32, float)
 DEFINE_DECODE_ATTN(bf16, uint16_t)
+
+/* Copy each new token's K and V row (strided views into the fused QKV output) into its slot of
+ * the layer's cache tensors [slots, width]. */
+#define DEFINE_STORE_KV(SUF, T)                                                               \
+    void store_kv_##SUF(const T *k, const T *v, int64_t rows, int64_t stride,                \
+                        const int64_t *slots, T *k_cache, T *v_cache, int64_t width) {       \
+        for (int64_t r = 0; r < rows; r++) {                                                 \
+            memcpy(k_cache + slots[r] * width, k + r * stride, width * sizeof(T));           \
+            memcpy(v_cache + slots[r] * width, v + r * stride, width * sizeof(T));           \
+        }                                                                                    \
+    }
+
+DEFINE_STORE_KV(f32, float)
+DEFINE_STORE_KV(bf16, uint16_t)

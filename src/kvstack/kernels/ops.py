@@ -53,6 +53,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor) -> None:
+    """k, v: [T, H_kv, D] views whose rows may be strided (into a fused QKV row), inner dims
+    contiguous; slots: int64 [T] -> written into the caches [slots, H_kv, D] in place."""
+    rows, kv_heads, dim = k.shape
+    assert k.stride(1) == dim and k.stride(2) == 1 and v.stride() == k.stride()
+    _fn("store_kv", k.dtype)(k.data_ptr(), v.data_ptr(), rows, k.stride(0), slots.data_ptr(),
+                             k_cache.data_ptr(), v_cache.data_ptr(), kv_heads * dim)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, H, D] contiguous; k_cache, v_cache: [slots, H_kv, D] of q's dtype; slots:
