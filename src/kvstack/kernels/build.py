@@ -42,7 +42,7 @@ _SIGNATURES = {
     # q, k, v, slots, lens, seqs, max_ctx, heads, kv_heads, dim, scale, out, threads
     "decode_attention": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT],
 }
-_SUFFIXES = {"gemv": ("f32", "bf16", "i8")}
+_SUFFIXES = {"gemv": ("f32", "bf16", "i8", "q8")}
 
 
 def _cpu_flags() -> str:
@@ -82,6 +82,11 @@ def _build(sources: list[Path], target: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def has_vnni() -> bool:
+    """AVX512-VNNI (vpdpbusd): int8 decode uses `gemv_q8` (int8 activations) with it."""
+    return "avx512_vnni" in _cpu_flags().split()
 
 
 @cache

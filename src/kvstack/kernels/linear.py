@@ -4,8 +4,10 @@ oneDNN) for prefill-sized inputs.
 
 Weights are held in the activations' dtype, or with `quantization="int8"` weight-only int8,
 symmetric per output channel (w ~= q * scale[out], q in [-127, 127]); activations stay in the
-model dtype. The C kernels cover fp32, bf16 and int8 weights; other dtypes (float64 in tests)
-always take PyTorch's path.
+model dtype, except inside the int8 decode kernel on CPUs with AVX512-VNNI, which quantizes
+each 64-element block of an activation row to int8 (as llama.cpp's Q8 activations do) so a
+dot product of 64 weights is one instruction. The C kernels cover fp32, bf16 and int8
+weights; other dtypes (float64 in tests) always take PyTorch's path.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ class Linear:
         self.bias = bias.to(act_dtype) if bias is not None else None
         self._bias32 = bias.float().contiguous() if bias is not None else None
         lib = build.load() if use_kernels and act_dtype in _GEMV else None
-        self._gemv = getattr(lib, _GEMV[self.weight.dtype]) if lib is not None else None
+        name = _GEMV[self.weight.dtype]
+        if name == "gemv_i8" and build.has_vnni():
+            name = "gemv_q8"  # int8 x int8 dot products; see gemv.c
+        self._gemv = getattr(lib, name) if lib is not None else None
 
     @property
     def num_bytes(self) -> int:
