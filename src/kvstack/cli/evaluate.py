@@ -11,13 +11,13 @@ import argparse
 import importlib
 from typing import Any
 
-EVALS: tuple[str, ...] = ("kvstack.semantic.eval", "kvstack.eval_ppl")
+EVALS: tuple[str, ...] = ("kvstack.semantic.eval", "kvstack.eval_ppl", "kvstack.kv.eval")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "eval",
-        help="quality evaluations (semantic cache, ...)",
+        help="quality evaluations (semantic cache, KV cache, ...)",
         description="Measure how well a part of kvstack does its job; each evaluation prints "
         "its figures and can write them as JSON.",
         epilog="example: kvstack eval semantic --no-ttft",

@@ -47,19 +47,22 @@ def quantize_rows(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.T
     """x: [..., D] -> (q [..., D] int8 or float8_e4m3fn, scale [...] float16)."""
     qmax = _QMAX[kv_dtype]
     x = x.float()
-    scale = (x.abs().amax(-1) / qmax).clamp_(min=MIN_SCALE).to(torch.float16)
-    y = (x / scale.float().unsqueeze(-1)).clamp_(-qmax, qmax)
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1)  # max |x|, one op
+    scale = (amax * (1 / qmax)).clamp_(min=MIN_SCALE).to(torch.float16)
+    y = x / scale.float().unsqueeze(-1)
     if kv_dtype == "int8":
+        # |y| <= 127 * (1 + 2**-11) < 127.5 (the scale rounded to float16): no clamp needed.
         return y.round_().to(torch.int8), scale
-    return y.to(torch.float8_e4m3fn), scale
+    return y.clamp_(-qmax, qmax).to(torch.float8_e4m3fn), scale
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of `quantize_rows`, in `dtype`."""
-    scale = scale.float().unsqueeze(-1)
     if q.dtype == torch.int8:
-        return (q.float() * scale).to(dtype)
-    return (fp8_to_float(q) * (scale * 256.0)).to(dtype)
+        x = q * scale.float().unsqueeze(-1)  # int8 x float32 -> float32, one op
+    else:
+        x = fp8_to_float(q) * (scale.float() * 256.0).unsqueeze(-1)
+    return x.to(dtype)
 
 
 def fp8_to_float(q: torch.Tensor) -> torch.Tensor:
@@ -73,17 +76,21 @@ def fp8_to_float(q: torch.Tensor) -> torch.Tensor:
 
 
 class QuantizedKVStorage(KVCacheStorage):
-    """`k[layer]`, `v[layer]`: [slots, H_kv, D] int8 or float8_e4m3fn;
-    `k_scale[layer]`, `v_scale[layer]`: [slots, H_kv] float16."""
+    """`kv[layer]`: [slots, 2 (k, v), H_kv, D] int8 or float8_e4m3fn; `scale[layer]`: [slots,
+    2, H_kv] float16. K and V of a slot sit together so that a step quantizes, stores, gathers
+    and dequantizes both with one op each (a decode step's cost is these ops' count)."""
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, kv_dtype: str,
                  compute_dtype: torch.dtype) -> None:
-        super().__init__(model, num_blocks, block_size, _STORED[kv_dtype], compute_dtype)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = _STORED[kv_dtype]
+        self.compute_dtype = compute_dtype
         self.kv_dtype = kv_dtype
-        rows = (num_blocks * block_size, model.num_kv_heads)
-        self.k_scale = [torch.ones(rows, dtype=torch.float16) for _ in self.k]
-        self.v_scale = [torch.ones(rows, dtype=torch.float16) for _ in self.v]
-        dim = model.head_dim
+        slots, heads, dim = num_blocks * block_size, model.num_kv_heads, model.head_dim
+        layers = range(model.num_layers)
+        self.kv = [torch.zeros((slots, 2, heads, dim), dtype=self.dtype) for _ in layers]
+        self.scale = [torch.ones((slots, 2, heads), dtype=torch.float16) for _ in layers]
         if kv_dtype == "int8" and dim & (dim - 1) == 0:
             self.basis = hadamard(dim).to(compute_dtype)
 
@@ -91,29 +98,28 @@ class QuantizedKVStorage(KVCacheStorage):
     def lossy(self) -> bool:
         return True
 
+    def layer_tensors(self, layer: int) -> None:
+        return None
+
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
+        return [*self.kv, *self.scale]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        for x, data, scales in ((k, self.k[layer], self.k_scale[layer]),
-                                (v, self.v[layer], self.v_scale[layer])):
-            q, scale = quantize_rows(x if self.basis is None else x @ self.basis, self.kv_dtype)
-            # Through int8 views: CPU index ops do not take float8 tensors.
-            data.view(torch.int8).index_copy_(0, slots, q.view(torch.int8))
-            scales.index_copy_(0, slots, scale)
+        x = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
+        q, scale = quantize_rows(x if self.basis is None else x @ self.basis, self.kv_dtype)
+        # Through int8 views: CPU index ops do not take float8 tensors.
+        self.kv[layer].view(torch.int8).index_copy_(0, slots, q.view(torch.int8))
+        self.scale[layer].index_copy_(0, slots, scale)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cd, stored = self.compute_dtype, self.dtype
-        k = self.k[layer].view(torch.int8)[slots].view(stored)
-        v = self.v[layer].view(torch.int8)[slots].view(stored)
-        return (dequantize_rows(k, self.k_scale[layer][slots], cd),
-                dequantize_rows(v, self.v_scale[layer][slots], cd))
+        q = self.kv[layer].view(torch.int8)[slots].view(self.dtype)  # [*S, 2, H_kv, D]
+        x = dequantize_rows(q, self.scale[layer][slots], self.compute_dtype)
+        return x.select(-3, 0), x.select(-3, 1)
 
     def _block_views(self, block_id: int) -> list[torch.Tensor]:
-        # Per layer: K, V, K scales, V scales.
+        # Per layer: K/V codes, then their scales.
         start, end = block_id * self.block_size, (block_id + 1) * self.block_size
-        tensors = zip(self.k, self.v, self.k_scale, self.v_scale, strict=True)
-        return [t[start:end] for group in tensors for t in group]
+        return [t[start:end] for pair in zip(self.kv, self.scale, strict=True) for t in pair]
 
 
 def make_kv_storage(model: ModelConfig, num_blocks: int, block_size: int, kv_dtype: str,
