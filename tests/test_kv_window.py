@@ -239,3 +239,17 @@ def test_cli_refuses_bad_windows_in_one_line(capsys: pytest.CaptureFixture[str],
     assert main(["generate", "--prompt", "hi", "--model", str(tmp_path / "none"), *flags]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("error: ")
+
+
+def test_the_server_does_not_refuse_long_conversations_in_window_mode() -> None:
+    from kvstack.errors import PromptTooLongError
+    from kvstack.server.app import ServerState
+
+    state = ServerState.__new__(ServerState)  # only its context arithmetic is under test
+    state.max_model_len, state.pool_tokens, state.unbounded_context = 128, 4096, True
+    assert state.max_tokens(500, 1000) == 500
+    assert state.max_tokens(None, 1000) == 128
+    assert state.max_tokens(None, 1000, default=16) == 16
+    state.unbounded_context = False
+    with pytest.raises(PromptTooLongError):
+        state.max_tokens(None, 1000)

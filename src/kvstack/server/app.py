@@ -67,6 +67,8 @@ class ServerState:
         self.model_name = config.model_name or core.config.model
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
+        # Window mode (kv_window, approximate) has no context limit: positions are cache indices.
+        self.unbounded_context = core.window is not None
         stats = engine.stats()
         self.pool_tokens = stats.num_blocks_total * stats.block_size  # 0: no KV cache
         self.keys = keys
@@ -84,8 +86,10 @@ class ServerState:
         """Refuse a prompt or an output that cannot fit the context; fill in a default.
 
         Without a request or route default the output may use the rest of the context (and of
-        the KV pool, so a lone request always fits)."""
+        the KV pool, so a lone request always fits). In window mode nothing is refused."""
         context = self.max_model_len
+        if self.unbounded_context:
+            return requested if requested is not None else (default or context)
         if num_prompt_tokens >= context:
             raise PromptTooLongError(num_prompt_tokens, context)
         if requested is None:
