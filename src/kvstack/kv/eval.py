@@ -19,7 +19,8 @@ from typing import Any
 
 from kvstack.cli import DEFAULT_MODEL, non_negative_int, positive_int
 
-SETTINGS = ("float32", "bfloat16", "int8", "fp8", "int4", "window", "window-int8")
+SETTINGS = ("float32", "bfloat16", "int8", "fp8", "int4", "window", "window-int8",
+            "window-int4")
 GIB = 1024**3
 
 
@@ -86,7 +87,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def setting_kwargs(name: str, kv_window: int, sinks: int) -> dict[str, Any]:
     """`LLM` keyword arguments of a setting."""
-    kv_dtype = {"float32": "auto", "window": "auto", "window-int8": "int8"}.get(name, name)
+    kv_dtype = {"float32": "auto", "window": "auto"}.get(name, name.removeprefix("window-"))
     kwargs: dict[str, Any] = {"kv_cache_dtype": kv_dtype}
     if name.startswith("window"):
         kwargs |= {"kv_window": kv_window, "kv_sink_tokens": sinks}

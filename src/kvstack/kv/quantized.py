@@ -8,12 +8,12 @@ and nothing else. Per (token, head) row x of D values:
     int8: q = round(x / scale) in [-127, 127]      |x - q * scale| <= scale / 2
     fp8:  q = e4m3(x / scale) (3 mantissa bits)    |x - q * scale| <= |x| / 16 + scale / 2**10
 
-int8 rows are first rotated by a normalized Hadamard matrix (`basis`, as in QuaRot): keys
-have a few channels ~10x the others, which would set every row's int8 step; rotated, the
-energy spreads over all channels and the step shrinks ~2x. On the embedded model that lifts
-greedy agreement with the float32 cache from 45% to 75% of tokens; fp8, whose error is
-relative to each value, does better unrotated. The rotation costs attention two [D, D]
-products on queries and outputs, not one per cached token.
+Rows are first rotated by a normalized Hadamard matrix (`basis`, as in QuaRot): keys have a
+few channels ~10x the others, which would set every row's int8 step (and, for fp8, carry most
+of q.k with only 3 mantissa bits); rotated, the energy spreads over all channels. On the
+embedded model (4,096 held-out tokens) it takes the perplexity increase of fp8 from 1.10% to
+0.33%, and int8's greedy agreement with the float32 cache from 45% to ~70% of tokens. The
+rotation costs attention two [D, D] products on queries and outputs, not one per cached token.
 
 `make_kv_storage` picks the storage class of a KV dtype.
 """
@@ -91,7 +91,7 @@ class QuantizedKVStorage(KVCacheStorage):
         layers = range(model.num_layers)
         self.kv = [torch.zeros((slots, 2, heads, dim), dtype=self.dtype) for _ in layers]
         self.scale = [torch.ones((slots, 2, heads), dtype=torch.float16) for _ in layers]
-        if kv_dtype == "int8" and dim & (dim - 1) == 0:
+        if dim & (dim - 1) == 0:
             self.basis = hadamard(dim).to(compute_dtype)
 
     @property
