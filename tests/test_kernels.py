@@ -220,3 +220,20 @@ def test_store_kv_writes_strided_rows_into_their_slots(dtype: torch.dtype) -> No
     assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
     untouched = torch.tensor([1, 2, 3, 5, 6, 8, 9])
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"dtype": "bfloat16"}, {"quantization": "int8"}])
+def test_one_call_decode_step_matches_the_per_op_path(kwargs: dict[str, Any]) -> None:
+    """Decode-only steps run all layers in one C call; steps with a prefill run layer by layer
+    through the same kernels. Both must give the same logits, bit for bit."""
+    llm = LLM(kv_cache_memory="64MiB", **kwargs)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    one_call = llm.chat(PROMPTS, params)
+    model = llm.engine.model
+    assert model._step is not None  # decode-only steps took the one-call path
+    model._step_for = llm.engine.kv_storage
+    model._step = None  # as if unusable: the per-op path runs every step
+    per_op = llm.chat(PROMPTS, params)
+    for a, b in zip(one_call, per_op, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

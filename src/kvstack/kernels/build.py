@@ -39,6 +39,8 @@ _SIGNATURES = {
     "silu_mul": [_P, _I64, _I64, _P],
     # k, v, rows, stride, slots, k_cache, v_cache, width
     "store_kv": [_P, _P, _I64, _I64, _P, _P, _P, _I64],
+    # dims, layers, h, rows, cos, sin, slot_mapping, slots, lens, max_ctx, pending, threads
+    "decode_step": [_P, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT],
     # q, k, v, slots, lens, seqs, max_ctx, heads, kv_heads, dim, scale, out, threads
     "decode_attention": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT],
 }
@@ -115,7 +117,7 @@ def load() -> ctypes.CDLL | None:
         for suffix in _SUFFIXES.get(base, ("f32", "bf16")):
             fn = getattr(lib, f"{base}_{suffix}")
             fn.argtypes = argtypes
-            fn.restype = None
+            fn.restype = ctypes.c_int if base == "decode_step" else None
     return lib
 
 

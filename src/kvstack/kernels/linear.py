@@ -51,10 +51,11 @@ class Linear:
         self.bias = bias.to(act_dtype) if bias is not None else None
         self._bias32 = bias.float().contiguous() if bias is not None else None
         lib = build.load() if use_kernels and act_dtype in _GEMV else None
-        name = _GEMV[self.weight.dtype]
+        name = _GEMV.get(self.weight.dtype, "")
         if name == "gemv_i8" and build.has_vnni():
             name = "gemv_q8"  # int8 x int8 dot products; see gemv.c
         self._gemv = getattr(lib, name) if lib is not None else None
+        self.kernel = name if lib is not None else None  # which gemv decode steps use
 
     @property
     def num_bytes(self) -> int:

@@ -5,6 +5,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -150,3 +151,101 @@ DEFINE_DECODE_ATTN(bf16, uint16_t)
 
 DEFINE_STORE_KV(f32, float)
 DEFINE_STORE_KV(bf16, uint16_t)
+
+/* ---- a whole decode step in one call ------------------------------------------------------
+ * For steps whose every row is one sequence's next token over a plain (fp32/bf16) paged cache:
+ * the same kernels as the per-op path above, in the same order and with the same roundings,
+ * driven from C so the step costs one call instead of ~10 per layer. Buffers between the
+ * kernels are T (the model dtype); matrix products take and give fp32 and are rounded to T
+ * where the reference rounds. */
+typedef void (*gemv_fn)(const float *, int64_t, int64_t, const void *, int64_t, const float *,
+                        const float *, float *, int);
+void gemv_f32(const float *, int64_t, int64_t, const float *, int64_t, const float *,
+              const float *, float *, int);
+void gemv_bf16(const float *, int64_t, int64_t, const uint16_t *, int64_t, const float *,
+               const float *, float *, int);
+void gemv_i8(const float *, int64_t, int64_t, const int8_t *, int64_t, const float *,
+             const float *, float *, int);
+void gemv_q8(const float *, int64_t, int64_t, const int8_t *, int64_t, const float *,
+             const float *, float *, int);
+
+typedef struct {
+    const void *w;
+    const float *scale; /* int8 weights: per output row; else NULL */
+    const float *bias;  /* fp32 or NULL */
+    int64_t n, k;
+    int64_t kind; /* 0 gemv_f32, 1 gemv_bf16, 2 gemv_i8, 3 gemv_q8 */
+} Lin;
+
+typedef struct {
+    Lin qkv, o, gate_up, down;
+    const void *input_norm, *post_norm; /* T [hidden] */
+    void *k_cache, *v_cache;            /* T [slots, kv_heads, head_dim] */
+} Layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter, num_layers;
+    float eps, scale;
+} Dims;
+
+static gemv_fn pick(int64_t kind) {
+    switch (kind) {
+    case 0: return (gemv_fn)gemv_f32;
+    case 1: return (gemv_fn)gemv_bf16;
+    case 2: return (gemv_fn)gemv_i8;
+    default: return (gemv_fn)gemv_q8;
+    }
+}
+
+#define DEFINE_DECODE_STEP(SUF, T)                                                            \
+    static void to_f32_##SUF(const T *src, int64_t n, float *dst) {                          \
+        for (int64_t i = 0; i < n; i++) dst[i] = get_##SUF(src, i);                          \
+    }                                                                                        \
+    static void from_f32_##SUF(const float *src, int64_t n, T *dst) {                        \
+        for (int64_t i = 0; i < n; i++) put_##SUF(dst, i, src[i]);                           \
+    }                                                                                        \
+    static void linear_##SUF(const Lin *l, const T *x, int64_t rows, float *x32, float *y32, \
+                             T *y, int threads) {                                            \
+        to_f32_##SUF(x, rows * l->k, x32);                                                   \
+        pick(l->kind)(x32, rows, l->k, l->w, l->n, l->scale, l->bias, y32, threads);         \
+        from_f32_##SUF(y32, rows * l->n, y);                                                 \
+    }                                                                                        \
+    int decode_step_##SUF(const Dims *d, const Layer *layers, T *h, int64_t rows,            \
+                          const float *cos, const float *sin, const int64_t *slot_mapping,   \
+                          const int64_t *slots, const int64_t *lens, int64_t max_ctx,        \
+                          T *pending, int threads) {                                         \
+        const int64_t qd = d->heads * d->head_dim, kvd = d->kv_heads * d->head_dim;          \
+        const int64_t qkv_n = qd + 2 * kvd, wide = 2 * d->inter > qkv_n ? 2 * d->inter : qkv_n; \
+        const int64_t wide_in = d->inter > d->hidden ? d->inter : d->hidden;                 \
+        float *x32 = malloc(sizeof(float) * rows * (wide_in > qd ? wide_in : qd));           \
+        float *y32 = malloc(sizeof(float) * rows * wide);                                    \
+        T *x = malloc(sizeof(T) * rows * d->hidden), *qkv = malloc(sizeof(T) * rows * qkv_n); \
+        T *q = malloc(sizeof(T) * rows * qd), *attn = malloc(sizeof(T) * rows * qd);         \
+        T *gu = malloc(sizeof(T) * rows * 2 * d->inter), *act = malloc(sizeof(T) * rows * d->inter); \
+        T *y = malloc(sizeof(T) * rows * d->hidden);                                         \
+        int ok = x32 && y32 && x && qkv && q && attn && gu && act && y;                      \
+        for (int64_t i = 0; ok && i < d->num_layers; i++) {                                  \
+            const Layer *L = layers + i;                                                     \
+            rms_norm_##SUF(h, i ? pending : NULL, rows, d->hidden, L->input_norm, d->eps, x); \
+            linear_##SUF(&L->qkv, x, rows, x32, y32, qkv, threads);                          \
+            rope_##SUF(qkv, rows, qkv_n, d->heads + d->kv_heads, d->head_dim, cos, sin);     \
+            store_kv_##SUF(qkv + qd, qkv + qd + kvd, rows, qkv_n, slot_mapping, L->k_cache,  \
+                           L->v_cache, kvd);                                                 \
+            for (int64_t r = 0; r < rows; r++)                                               \
+                memcpy(q + r * qd, qkv + r * qkv_n, sizeof(T) * qd);                         \
+            decode_attention_##SUF(q, L->k_cache, L->v_cache, slots, lens, rows, max_ctx,    \
+                                   d->heads, d->kv_heads, d->head_dim, d->scale, attn,       \
+                                   threads);                                                 \
+            linear_##SUF(&L->o, attn, rows, x32, y32, y, threads);                           \
+            rms_norm_##SUF(h, y, rows, d->hidden, L->post_norm, d->eps, x);                  \
+            linear_##SUF(&L->gate_up, x, rows, x32, y32, gu, threads);                       \
+            silu_mul_##SUF(gu, rows, d->inter, act);                                         \
+            linear_##SUF(&L->down, act, rows, x32, y32, pending, threads);                   \
+        }                                                                                    \
+        free(x32); free(y32); free(x); free(qkv); free(q); free(attn); free(gu); free(act);   \
+        free(y);                                                                             \
+        return ok;                                                                           \
+    }
+
+DEFINE_DECODE_STEP(f32, float)
+DEFINE_DECODE_STEP(bf16, uint16_t)

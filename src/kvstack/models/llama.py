@@ -15,6 +15,7 @@ from kvstack.attention import AttentionMetadata, paged_attention
 from kvstack.config import ModelConfig
 from kvstack.errors import ModelLoadError
 from kvstack.kernels import ops as kernel_ops
+from kvstack.kernels.decode_step import DecodeStep
 from kvstack.kernels.linear import MAX_KERNEL_ROWS, Linear
 from kvstack.kv.storage import KVCacheStorage
 from kvstack.models.registry import register
@@ -48,6 +49,8 @@ class LlamaForCausalLM:
         self.dtype = dtype
         self.quantization = quantization  # "int8": linear weights (and the LM head) as int8
         self.use_kernels = use_kernels
+        self._step: DecodeStep | None = None
+        self._step_for: KVCacheStorage | None = None  # the storage `_step` points into
         self.rope = RotaryEmbedding(
             config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling
         )
@@ -156,6 +159,12 @@ class LlamaForCausalLM:
         eps = c.rms_norm_eps
         h = self._embed(input_ids).contiguous()
         cos, sin = self.rope.cos[positions], self.rope.sin[positions]  # fp32 [T, D]
+        step = self._decode_step(kv) if _decodes_only(meta, input_ids.shape[0]) else None
+        if step is not None:
+            assert meta.slot_mapping is not None and meta.decode_slots is not None
+            assert meta.decode_lens is not None
+            pending = step(h, cos, sin, meta.slot_mapping, meta.decode_slots, meta.decode_lens)
+            return kernel_ops.rms_norm(h, self.final_norm, eps, residual=pending)
         pending: torch.Tensor | None = None  # the last block's output, added to h by the norm
         for i, layer in enumerate(self.layers):
             x = kernel_ops.rms_norm(h, layer.input_norm, eps, residual=pending)
@@ -169,10 +178,36 @@ class LlamaForCausalLM:
             pending = layer.down(kernel_ops.silu_mul(layer.gate_up(x)))
         return kernel_ops.rms_norm(h, self.final_norm, eps, residual=pending)
 
+    def _decode_step(self, kv: KVCacheStorage | None) -> DecodeStep | None:
+        """The one-call decode step over this storage, built on first use; None where the
+        cache is lossy or a weight has no kernel."""
+        if kv is None:
+            return None
+        if self._step_for is not kv:
+            caches = [kv.layer_tensors(i) for i in range(self.config.num_layers)]
+            linears = [lin for layer in self.layers
+                       for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            usable = all(t is not None and t[0].dtype == self.dtype for t in caches) and all(
+                lin.kernel is not None for lin in linears)
+            c = self.config
+            self._step = DecodeStep(
+                self.layers, caches, self.dtype, c.hidden_size, c.num_heads, c.num_kv_heads,
+                c.head_dim, c.intermediate_size, c.rms_norm_eps,
+            ) if usable else None
+            self._step_for = kv
+        return self._step
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the positions that sample) -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+
+def _decodes_only(meta: AttentionMetadata, num_rows: int) -> bool:
+    """Every row of the step is one sequence's next token, in row order."""
+    rows = meta.decode_rows
+    return (rows is not None and not meta.prefills and rows.numel() == num_rows
+            and meta.decode_lens is not None and meta.slot_mapping is not None)
 
 
 def _nbytes(t: torch.Tensor) -> int:

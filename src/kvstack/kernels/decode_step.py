@@ -1,0 +1,100 @@
+"""A whole decode step of a Llama-family model in one C call (`decode_step_*` in ops.c).
+
+At one token per sequence per step the per-layer Python (ten kernel calls, views and small
+allocations per layer) costs milliseconds per token next to ~10-20 ms of weight streaming; this
+hands the C side a table of every layer's weights and cache tensors, built once per KV storage,
+and runs all layers for steps where every row is a decode over a plain (fp32/bf16) cache. The
+kernels, their order and their roundings are those of the per-op path, so both give the same
+numbers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from kvstack.kernels import build
+from kvstack.kernels.linear import Linear
+
+_KINDS = {"gemv_f32": 0, "gemv_bf16": 1, "gemv_i8": 2, "gemv_q8": 3}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kind", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+                ("inter", ctypes.c_int64), ("num_layers", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class LayerWeights(Protocol):
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+
+
+def _lin(lin: Linear) -> _Lin:
+    assert lin.kernel is not None
+    return _Lin(lin.weight.data_ptr(),
+                lin.scale.data_ptr() if lin.scale is not None else None,
+                lin._bias32.data_ptr() if lin._bias32 is not None else None,
+                lin.out_features, lin.in_features, _KINDS[lin.kernel])
+
+
+class DecodeStep:
+    """Runs all layers of decode-only steps over one KV storage's per-layer tensors."""
+
+    def __init__(self, layers: Sequence[LayerWeights], caches: Sequence[tuple[torch.Tensor,
+                 torch.Tensor]], dtype: torch.dtype, hidden: int, heads: int, kv_heads: int,
+                 head_dim: int, inter: int, eps: float) -> None:
+        lib = build.load()
+        assert lib is not None and dtype in _SUFFIX
+        self._fn = getattr(lib, f"decode_step_{_SUFFIX[dtype]}")
+        self.dtype = dtype
+        self.hidden = hidden
+        self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), eps,
+                           head_dim**-0.5)
+        table = (_Layer * len(layers))()
+        for entry, layer, (k_cache, v_cache) in zip(table, layers, caches, strict=True):
+            entry.qkv, entry.o = _lin(layer.qkv), _lin(layer.o)
+            entry.gate_up, entry.down = _lin(layer.gate_up), _lin(layer.down)
+            entry.input_norm, entry.post_norm = (layer.input_norm.data_ptr(),
+                                                 layer.post_norm.data_ptr())
+            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self._table = table
+        # The table holds raw pointers: keep what they point into alive.
+        self._keep = (list(layers), list(caches))
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 slot_mapping: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor
+                 ) -> torch.Tensor:
+        """h: [B, hidden] embeddings (updated in place into the residual stream); cos, sin:
+        fp32 [B, head_dim]; slot_mapping: [B]; slots: [B, max_ctx]; lens: [B] (all int64)
+        -> the last layer's MLP output, still to be added to h (as the per-op path's
+        `pending`)."""
+        rows = h.shape[0]
+        pending = torch.empty(rows, self.hidden, dtype=self.dtype)
+        ok = self._fn(ctypes.byref(self._dims), self._table, h.data_ptr(), rows,
+                      cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
+                      slots.data_ptr(), lens.data_ptr(), slots.shape[1], pending.data_ptr(),
+                      torch.get_num_threads())
+        if not ok:
+            raise MemoryError("decode step could not allocate its scratch buffers")
+        return pending
