@@ -7,6 +7,8 @@ the engine's deterministic behaviour (cached tokens, preemptions, completion) ar
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,8 @@ import torch
 from conftest import EMBEDDED, cached_checkpoint
 from helpers.tiny_models import make_tiny_hf_folder
 
-from kvstack.bench import cache, common, report
 from kvstack.bench import cli as bench_cli
+from kvstack.bench import common, report
 from kvstack.bench.common import BenchOptions, Subject, distinct_prompts
 from kvstack.bench.peers import case as peers_case
 from kvstack.bench.pressure import constrained_blocks
@@ -271,6 +273,21 @@ def test_full_size_case_on_a_short_context_model_says_use_quick(
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+def test_every_case_module_imports_first_in_a_fresh_interpreter() -> None:
+    # Cases import each other's helpers and the peers package; whichever is imported first
+    # (`kvstack bench cache` alone, say) must not meet a half-initialized module.
+    script = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    for mod in [m for m in sys.modules if m.startswith('kvstack.bench')]:\n"
+        "        del sys.modules[mod]\n"
+        "    assert callable(importlib.import_module('kvstack.bench.' + name).run), name\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, *bench_cli.CASES],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 class _ByteEncoder:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
@@ -294,7 +311,7 @@ def test_cache_prompt_is_the_46_token_chat_prompt(monkeypatch: pytest.MonkeyPatc
                                                   tmp_path: Path) -> None:
     monkeypatch.setattr(common, "load_checkpoint", cached_checkpoint)
     subject = Subject(BenchOptions(model=EMBEDDED, threads=1, out=tmp_path))
-    prompt = subject.chat_prompt(cache.QUESTION)
+    prompt = subject.chat_prompt(common.CHAT_QUESTION)
     assert len(prompt) == 46
     assert subject.tokenizer.decode(prompt).rstrip().endswith("assistant")
 

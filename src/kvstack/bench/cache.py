@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstack.bench.common import (
+    CHAT_QUESTION,
     BenchOptions,
     CaseResult,
     Subject,
@@ -29,14 +30,12 @@ from kvstack.bench.peers.hf import PeerRun
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 
-# 46 tokens through SmolLM2's chat template (system prompt included).
-QUESTION = "Explain in a few sentences how a key-value cache speeds up text generation."
 _WARMUP_TOKENS = 2
 
 
 def run(subject: Subject, options: BenchOptions) -> CaseResult:
     new_tokens = 8 if options.quick else 100
-    prompt = subject.chat_prompt(QUESTION)
+    prompt = subject.chat_prompt(CHAT_QUESTION)
     subject.require_context(len(prompt) + new_tokens, "the cache benchmark")
     ours = {
         "kv_cache": _ours(subject, options, prompt, new_tokens, use_kv_cache=True),
@@ -67,7 +66,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     plots = [_plot_latency(options, len(prompt), ours, peer),
              _plot_total(options, len(prompt), ours, peer)]
     summary = (
-        f"cache: {len(prompt)}-token prompt, {new_tokens} new tokens, {options.threads} threads"
+        f"cache: {len(prompt)}-token prompt, {new_tokens} new tokens, {options.threads_text}"
         f" | ours {fmt(ours['kv_cache']['decode_tok_s'])} tok/s with KV cache, "
         f"{fmt(ours['no_kv_cache']['decode_tok_s'])} without "
         f"({fmt_x(ratios['kv_cache_speedup_ours'])})"
@@ -85,7 +84,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     return CaseResult(
         case="cache",
         summary=summary,
-        config={"model": options.model, "quick": options.quick, "question": QUESTION,
+        config={"model": options.model, "quick": options.quick, "question": CHAT_QUESTION,
                 "prompt_tokens": len(prompt), "new_tokens": new_tokens, "greedy": True,
                 "ignore_eos": True, "weights": subject.weight_format,
                 "transformers_dtype": "float32"},
@@ -185,7 +184,7 @@ _MODES = (("kv_cache", "KV cache"), ("no_kv_cache", "no KV cache"))
 def _plot_latency(options: BenchOptions, prompt_len: int, ours: dict[str, Any],
                   peer: dict[str, Any]) -> str:
     fig, ax = new_figure(
-        f"Per-token latency vs position ({prompt_len}-token prompt, {options.threads} threads)",
+        f"Per-token latency vs position ({prompt_len}-token prompt, {options.threads_text})",
         "context length (tokens)", "time per token (ms)",
     )
     for (name, style), runs in zip(_SERIES, (ours, peer), strict=True):
@@ -204,7 +203,7 @@ def _plot_total(options: BenchOptions, prompt_len: int, ours: dict[str, Any],
     """Seconds from the request to its N-th new token: TTFT, then the running sum of the
     per-token latencies."""
     fig, ax = new_figure(
-        f"Total time for N new tokens ({prompt_len}-token prompt, {options.threads} threads)",
+        f"Total time for N new tokens ({prompt_len}-token prompt, {options.threads_text})",
         "new tokens generated (N)", "time since the request (s)",
     )
     for (name, style), runs in zip(_SERIES, (ours, peer), strict=True):

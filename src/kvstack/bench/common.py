@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     from kvstack.bench.peers.hf import TransformersPeer
 
 
+# The single-stream decode prompt of `cache` and `peers`: 46 tokens through SmolLM2's chat
+# template (system prompt included).
+CHAT_QUESTION = "Explain in a few sentences how a key-value cache speeds up text generation."
+
+
 class MissingBenchDependencyError(KvstackError):
     """matplotlib or tqdm is not installed."""
 
@@ -57,6 +62,10 @@ class BenchOptions:
     # Our engine's weight format (None: float32; `bench peers` then runs every format).
     dtype: str | None = None
     quantization: str | None = None
+
+    @property
+    def threads_text(self) -> str:
+        return "1 thread" if self.threads == 1 else f"{self.threads} threads"
 
     def __post_init__(self) -> None:
         if self.quantization is not None and not supports_quantization():

@@ -183,7 +183,7 @@ def _ours_once(llm: LLM, prompt: list[int], params: SamplingParams) -> dict[str,
 
 
 def _plot(options: BenchOptions, rows: list[dict[str, Any]], doc_len: int) -> str:
-    fig, ax = new_figure(f"TTFT with a {doc_len}-token shared document ({options.threads} threads)",
+    fig, ax = new_figure(f"TTFT with a {doc_len}-token shared document ({options.threads_text})",
                          "question", "time to first token (ms, log scale)")
     series = (("ours", "cold", "kvstack cold"), ("ours", "warm", "kvstack warm (prefix cache)"),
               ("transformers", "cold", "transformers cold"),

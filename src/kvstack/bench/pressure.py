@@ -123,7 +123,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
 
 
 def _plot(options: BenchOptions, runs: dict[str, dict[str, Any]]) -> str:
-    fig, ax = new_figure(f"Throughput under KV pressure ({options.threads} threads)", "",
+    fig, ax = new_figure(f"Throughput under KV pressure ({options.threads_text})", "",
                          "output tokens / s")
     names = list(runs)
     bars = ax.bar(names, [runs[k]["output_tok_s"] for k in names], color=["C0", "C3"])

@@ -404,7 +404,7 @@ def _weighted(runs: list[dict[str, Any]], key: str) -> float | None:
 def _plot(options: BenchOptions, rows: list[dict[str, Any]], system_len: int,
           max_tokens: int) -> str:
     fig, ax = new_figure(f"kvstack serve: TTFT under load ({max_tokens}-token answers, "
-                         f"{options.threads} threads)", "concurrent clients",
+                         f"{options.threads_text})", "concurrent clients",
                          "median time to first token (ms)")
     lines = (("no_system_prompt", "o-", "no system prompt"),
              ("shared_system_prompt", "s--", f"shared ~{system_len}-token system prompt "

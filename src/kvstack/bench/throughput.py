@@ -133,7 +133,7 @@ def _plot(options: BenchOptions, rows: list[dict[str, Any]], prompt_len: int,
           new_tokens: int) -> str:
     fig, ax = new_figure(
         f"Offline throughput (~{prompt_len}-token prompts, {new_tokens} new tokens, "
-        f"{options.threads} threads)",
+        f"{options.threads_text})",
         "concurrent requests", "output tokens / s",
     )
     ax.plot([r["concurrency"] for r in rows], [r["ours"]["output_tok_s"] for r in rows],

@@ -205,7 +205,7 @@ def _pong(port: int) -> bool:
 
 
 def _plot(options: BenchOptions, rows: dict[str, dict[str, Any] | None], doc_len: int) -> str:
-    fig, ax = new_figure(f"TTFT of a {doc_len}-token document ({options.threads} threads)",
+    fig, ax = new_figure(f"TTFT of a {doc_len}-token document ({options.threads_text})",
                          "where its KV came from", "time to first token (ms, log scale)")
     labels = {"cold": "computed (cold)", "disk": "disk tier\n(fresh process)",
               "redis": "Redis tier\n(second process)"}

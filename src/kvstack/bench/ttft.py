@@ -97,7 +97,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
 
     summary = (
         f"ttft: prompts of {'/'.join(str(n) for n in lengths)} tokens, TTFT in ms, "
-        f"{options.threads} threads"
+        f"{options.threads_text}"
         f" | ours cold {series('ours', 'cold')}, prefix hit {series('ours', 'hit')}"
         f" | transformers cold {series('transformers', 'cold')}, "
         f"prefix hit {series('transformers', 'hit')}"
@@ -176,7 +176,7 @@ def _table(rows: list[dict[str, Any]]) -> list[TableRow]:
 
 
 def _plot(options: BenchOptions, rows: list[dict[str, Any]]) -> str:
-    fig, ax = new_figure(f"Time to first token vs prompt length ({options.threads} threads)",
+    fig, ax = new_figure(f"Time to first token vs prompt length ({options.threads_text})",
                          "prompt tokens", "time to first token (ms)")
     lengths = [r["prompt_tokens"] for r in rows]
     for side, name, style in (("ours", "kvstack", "-"), ("transformers", "transformers", "--")):

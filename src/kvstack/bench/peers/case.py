@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from kvstack.bench.cache import QUESTION
 from kvstack.bench.common import (
+    CHAT_QUESTION,
     BenchOptions,
     CaseResult,
     Subject,
@@ -108,7 +108,7 @@ def measure_read_bandwidth(num_bytes: int, repeats: int = _BANDWIDTH_REPEATS) ->
 def run(subject: Subject, options: BenchOptions) -> CaseResult:
     s = sizes(options.quick)
     work = Workloads(
-        chat=subject.chat_prompt(QUESTION),
+        chat=subject.chat_prompt(CHAT_QUESTION),
         document=document(subject, s.prefill_tokens),
         batch=distinct_prompts(subject, s.batch, s.batch_prompt_tokens),
         sizes=s,
@@ -157,7 +157,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     plot = display.plot(options, engines, bandwidth, work)
     config = {
         "model": options.model, "quick": options.quick, "threads": options.threads,
-        "decode": {"question": QUESTION, "prompt_tokens": len(work.chat),
+        "decode": {"question": CHAT_QUESTION, "prompt_tokens": len(work.chat),
                    "new_tokens": s.decode_new_tokens, "greedy": True, "ignore_eos": True},
         "prefill": {"prompt_tokens": len(work.document), "document_source": "pydoc_data.topics",
                     "new_tokens": 1},

@@ -120,7 +120,7 @@ def plot(options: BenchOptions, engines: dict[str, dict[str, Any]], bandwidth: f
     colors = {k: f"C{i}" for i, k in enumerate(engines)}
     fig = Figure(figsize=(11, 7), layout="constrained")
     skipped = [labels[k] for k in engines if k not in ran]
-    fig.suptitle(f"kvstack vs its peers, {options.threads} threads"
+    fig.suptitle(f"kvstack vs its peers, {options.threads_text}"
                  + (f" (not run: {', '.join(skipped)})" if skipped else ""))
     axes = fig.subplots(2, 2).flatten()
     s = work.sizes
