@@ -13,6 +13,7 @@ A case returns a `CaseResult`; `report` prints its one summary line (stdout) and
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
 import json
 import os
@@ -106,6 +107,7 @@ class Subject:
 
     def __init__(self, options: BenchOptions) -> None:
         self.options = options
+        source_commit()  # pinned as the run starts: results name the code that was imported
         self.checkpoint = load_checkpoint(options.model)
         try:
             self.tokenizer: Any | None = load_tokenizer(self.checkpoint)
@@ -284,13 +286,15 @@ def machine_info(threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "kvstack": kvstack.__version__,
-        "kvstack_commit": _source_commit(),
+        "kvstack_commit": source_commit(),
     }
 
 
-def _source_commit() -> str | None:
+@functools.cache
+def source_commit() -> str | None:
     """The git commit this kvstack runs from (`-dirty` with uncommitted changes), or None
-    outside a git checkout."""
+    outside a git checkout. Cached: the first call (as a run starts) names the code that was
+    imported, whatever is committed while the run goes on."""
     root = Path(kvstack.__file__).resolve().parent.parent.parent  # <root>/src/kvstack
     if not (root / ".git").exists():
         return None

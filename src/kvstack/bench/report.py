@@ -104,20 +104,25 @@ def write_report(out: Path, readme: Path, plots_dir: Path, cases: Sequence[str])
 def _provenance(results: Sequence[dict[str, Any]]) -> str:
     dates = sorted(data.get("created", "")[:10] for data in results)
     when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
-    machines = []
+    machines: list[str] = []
+    commits: dict[str, list[str]] = {}
     for data in results:
         m = data.get("machine", {})
+        threads = m.get("threads", "?")
         text = (f"{m.get('cpu', 'unknown CPU')} ({m.get('logical_cpus', '?')} logical CPUs), "
-                f"{m.get('threads', '?')} torch threads, torch {m.get('torch', '?')}, "
-                f"transformers {m.get('transformers', '?')}, kvstack {m.get('kvstack', '?')}"
-                + (f" at {m['kvstack_commit']}" if m.get("kvstack_commit") else ""))
+                f"{threads} torch thread{'' if threads == 1 else 's'}, torch "
+                f"{m.get('torch', '?')}, transformers {m.get('transformers', '?')}, "
+                f"kvstack {m.get('kvstack', '?')}")
         if text not in machines:
             machines.append(text)
-    return (f"Measured {when} (UTC) on {'; '.join(machines)}. The load column is the machine's "
+        commits.setdefault(m.get("kvstack_commit") or "unknown", []).append(data["case"])
+    at = "; ".join(f"{commit} ({', '.join(cases)})" for commit, cases in commits.items())
+    return (f"Measured {when} (UTC) on {'; '.join(machines)}; git commit of kvstack "
+            f"(-dirty: with uncommitted changes): {at}. The load column is the machine's "
             "1-minute load average when each case finished: above the CPU count, other jobs "
-            "shared the cores and the timings are noisy (ratios within one case are measured "
-            "in the same run, so they hold up better than absolute figures). Speedup > 1x: "
-            "kvstack is faster.")
+            "shared the cores and the timings are noisy (ratios within one case are measured in "
+            "the same run, so they hold up better than absolute figures). Speedup > 1x: kvstack "
+            "is faster.")
 
 
 def _cell(text: str) -> str:
