@@ -20,8 +20,11 @@ import torch.nn.functional as F
 from kvstack.kernels import build
 
 # Up to this many rows a step streams each weight once through the C kernel (its cost is the
-# weight bytes); above it PyTorch's blocked matmul wins (its cost is FLOPs).
+# weight bytes); above it PyTorch's blocked matmul wins (its cost is FLOPs). Measured here:
+# float weights break even near 16 rows (bf16: oneDNN is ahead by 16), int8 weights stay
+# ahead to 16 (PyTorch must dequantize them first).
 MAX_KERNEL_ROWS = 16
+FLOAT_KERNEL_ROWS = 8
 
 _GEMV = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16", torch.int8: "gemv_i8"}
 
@@ -56,6 +59,7 @@ class Linear:
             name = "gemv_q8"  # int8 x int8 dot products; see gemv.c
         self._gemv = getattr(lib, name) if lib is not None else None
         self.kernel = name if lib is not None else None  # which gemv decode steps use
+        self.max_kernel_rows = MAX_KERNEL_ROWS if self.scale is not None else FLOAT_KERNEL_ROWS
 
     @property
     def num_bytes(self) -> int:
@@ -70,7 +74,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self._gemv is not None and 0 < rows <= MAX_KERNEL_ROWS:
+        if self._gemv is not None and 0 < rows <= self.max_kernel_rows:
             return self._kernel(x, rows)
         if self.scale is None:
             return F.linear(x, self.weight, self.bias)

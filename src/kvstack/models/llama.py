@@ -16,7 +16,7 @@ from kvstack.config import ModelConfig
 from kvstack.errors import ModelLoadError
 from kvstack.kernels import ops as kernel_ops
 from kvstack.kernels.decode_step import DecodeStep
-from kvstack.kernels.linear import MAX_KERNEL_ROWS, Linear
+from kvstack.kernels.linear import Linear
 from kvstack.kv.storage import KVCacheStorage
 from kvstack.models.registry import register
 from kvstack.models.rope import RotaryEmbedding
@@ -122,7 +122,8 @@ class LlamaForCausalLM:
         kv: KVCacheStorage | None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm)."""
-        if (self.use_kernels and input_ids.shape[0] <= MAX_KERNEL_ROWS and meta.window is None
+        if (self.use_kernels and input_ids.shape[0] <= self.lm_head.max_kernel_rows
+                and meta.window is None
                 and kernel_ops.available(self.dtype)):
             return self._forward_fused(input_ids, positions, meta, kv)
         c = self.config
