@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +21,9 @@ CASES = {
     "ttft": "TTFT vs prompt length (128-4096 tokens), cold and with a prefix hit",
     "peers": "decode, prefill and batch-32 tok/s vs transformers and llama.cpp; decode "
              "memory bandwidth",
+    "memory": "KV bytes and tokens per budget for each KV cache dtype, int8 vs float32 decode, "
+              "window mode",
 }
-# The KV-memory case lands separately; `all` and the report pick it up once it exists.
-if importlib.util.find_spec("kvstack.bench.memory") is not None:
-    CASES["memory"] = "KV cache memory and quality per KV cache dtype"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
