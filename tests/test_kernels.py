@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kvstack import LLM, SamplingParams
 from kvstack.kernels import build
 from kvstack.kernels import ops as kops
-from kvstack.kernels.linear import MAX_KERNEL_ROWS, Linear, quantize_int8
+from kvstack.kernels.linear import INT8_KERNEL_ROWS, Linear, quantize_int8
 from kvstack.models.llama import rms_norm
 
 pytestmark = [
@@ -58,7 +58,7 @@ def test_int8_linear_is_the_dequantized_product(rows: int, k: int, n: int) -> No
     # (A value on a rounding boundary may land one step over: 1e-3 leaves room for a few.)
     assert (lin(x).double() - expected).abs().max() < 1e-3
     # Prefill-sized inputs take PyTorch's path with the same weights.
-    big = torch.randn(MAX_KERNEL_ROWS + 3, k, generator=gen)
+    big = torch.randn(INT8_KERNEL_ROWS + 3, k, generator=gen)
     assert (lin(big).double() - big.double() @ lin.dequantized().double().T).abs().max() < 1e-4
 
 

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from kvstack.kernels import ops as kernel_ops
-from kvstack.kernels.linear import MAX_KERNEL_ROWS
 from kvstack.kv.storage import KVCacheStorage
 from kvstack.window_attention import WindowSpan, window_attention
 
@@ -111,7 +110,7 @@ def _store_kernel(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionM
                   kv: KVCacheStorage) -> bool:
     """`kv.write` as one C call (two index_copy_ per layer cost more than the copy itself at
     decode sizes); False where it does not apply."""
-    if not meta.use_kernels or meta.slot_mapping is None or k.shape[0] > MAX_KERNEL_ROWS:
+    if not meta.use_kernels or meta.slot_mapping is None:
         return False
     tensors = kv.layer_tensors(layer)
     if tensors is None or tensors[0].dtype != k.dtype or not kernel_ops.available(k.dtype):

@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from kvstack.kernels import build
 
 # Up to this many rows a step streams each weight once through the C kernel (its cost is the
-# weight bytes); above it PyTorch's blocked matmul wins (its cost is FLOPs). Measured here:
-# float weights break even near 16 rows (bf16: oneDNN is ahead by 16), int8 weights stay
-# ahead to 16 (PyTorch must dequantize them first).
-MAX_KERNEL_ROWS = 16
+# weight bytes); above it PyTorch's blocked matmul wins (its cost is FLOPs). Measured here
+# (1 thread, the embedded model's shapes): float weights break even near 16 rows (bf16:
+# oneDNN is ahead by 16); int8 weights stay ahead past 128 rows (52 vs 183 ms at 16 rows,
+# 357 vs 520 ms at 128), as PyTorch must first dequantize them.
 FLOAT_KERNEL_ROWS = 8
+INT8_KERNEL_ROWS = 128
 
 _GEMV = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16", torch.int8: "gemv_i8"}
 
@@ -59,7 +60,7 @@ class Linear:
             name = "gemv_q8"  # int8 x int8 dot products; see gemv.c
         self._gemv = getattr(lib, name) if lib is not None else None
         self.kernel = name if lib is not None else None  # which gemv decode steps use
-        self.max_kernel_rows = MAX_KERNEL_ROWS if self.scale is not None else FLOAT_KERNEL_ROWS
+        self.max_kernel_rows = INT8_KERNEL_ROWS if self.scale is not None else FLOAT_KERNEL_ROWS
 
     @property
     def num_bytes(self) -> int:
