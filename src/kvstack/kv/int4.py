@@ -24,7 +24,7 @@ import torch
 
 from kvstack.config import ModelConfig
 from kvstack.kv.kv_dtype import check_int4_head_dim
-from kvstack.kv.storage import KVCacheStorage
+from kvstack.kv.storage import KVCacheStorage, gather
 
 MIN_SCALE = 2.0**-14  # float16's smallest normal; a flat range quantizes in steps of 6e-5
 
@@ -217,11 +217,12 @@ class Int4KVStorage(KVCacheStorage):
             cached = (slots, blocks, inside, window_slots)
             self._reads[id(slots)] = cached
         _, blocks, inside, window_slots = cached
-        k = torch.addcmul(self.k_zero[layer][blocks].float(), unpack(self.k[layer][slots]),
-                          self.k_scale[layer][blocks].float())
-        v = torch.addcmul(self.v_zero[layer][slots].float().unsqueeze(-1),
-                          unpack(self.v[layer][slots]),
-                          self.v_scale[layer][slots].float().unsqueeze(-1))
+        k = torch.addcmul(gather(self.k_zero[layer], blocks).float(),
+                          unpack(gather(self.k[layer], slots)),
+                          gather(self.k_scale[layer], blocks).float())
+        v = torch.addcmul(gather(self.v_zero[layer], slots).float().unsqueeze(-1),
+                          unpack(gather(self.v[layer], slots)),
+                          gather(self.v_scale[layer], slots).float().unsqueeze(-1))
         k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         if window_slots.numel():
             k[inside] = self.window_k[layer][window_slots]

@@ -24,7 +24,7 @@ import torch
 
 from kvstack.config import ModelConfig
 from kvstack.kv.int4 import Int4KVStorage
-from kvstack.kv.storage import KVCacheStorage
+from kvstack.kv.storage import KVCacheStorage, gather
 
 # Below this a float16 scale goes subnormal and loses precision; rows that small (|x| < 8e-3)
 # are quantized in steps of 6e-5 instead.
@@ -112,8 +112,8 @@ class QuantizedKVStorage(KVCacheStorage):
         self.scale[layer].index_copy_(0, slots, scale)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = self.kv[layer].view(torch.int8)[slots].view(self.dtype)  # [*S, 2, H_kv, D]
-        x = dequantize_rows(q, self.scale[layer][slots], self.compute_dtype)
+        q = gather(self.kv[layer].view(torch.int8), slots).view(self.dtype)  # [*S, 2, H_kv, D]
+        x = dequantize_rows(q, gather(self.scale[layer], slots), self.compute_dtype)
         return x.select(-3, 0), x.select(-3, 1)
 
     def _block_views(self, block_id: int) -> list[torch.Tensor]:

@@ -18,6 +18,13 @@ import torch
 from kvstack.config import ModelConfig
 
 
+def gather(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """t[slots] for a [slots, ...] tensor: rows copied whole by `index_select` on a 2-D view,
+    several times faster than advanced indexing, which copies element by element."""
+    rows = torch.index_select(t.view(t.shape[0], -1), 0, slots.reshape(-1))
+    return rows.view(*slots.shape, *t.shape[1:])
+
+
 class KVCacheStorage:
     """Owns the K/V bytes. Knows slots, never which request owns them.
 
@@ -69,10 +76,10 @@ class KVCacheStorage:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """slots: any int64 shape S -> (k, v) each [*S, H_kv, D] in `compute_dtype` (a gathered
         copy)."""
-        k, v = self.k[layer][slots], self.v[layer][slots]
         if self.lossy:
-            return k.to(self.compute_dtype), v.to(self.compute_dtype)
-        return k, v
+            return (gather(self.k[layer], slots).to(self.compute_dtype),
+                    gather(self.v[layer], slots).to(self.compute_dtype))
+        return self.k[layer][slots], self.v[layer][slots]
 
     def release(self, block_ids: Sequence[int]) -> None:
         """These blocks were freed; storages that keep per-block state drop it."""
