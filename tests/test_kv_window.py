@@ -253,3 +253,17 @@ def test_the_server_does_not_refuse_long_conversations_in_window_mode() -> None:
     state.unbounded_context = False
     with pytest.raises(PromptTooLongError):
         state.max_tokens(None, 1000)
+
+
+def test_a_prompt_shorter_than_the_sinks_and_tiny_chunks_work() -> None:
+    """A first chunk that ends before the sink tokens (here a 2-token prompt, and 2-token
+    chunks of a longer one) has no recent part; it must run, not raise."""
+    from kvstack import LLM, SamplingParams
+
+    llm = LLM(kv_cache_memory="16MiB", kv_window=64, kv_sink_tokens=4,
+              max_num_batched_tokens=2, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": [1, 2]},
+                         {"prompt_token_ids": list(range(10, 20))}], params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+    llm.engine.check_integrity()

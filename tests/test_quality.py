@@ -142,3 +142,22 @@ def test_eval_ppl_rejects_unknown_formats(capsys: pytest.CaptureFixture[str]) ->
     assert main(["eval", "ppl", "--formats", "float32,fp4"]) == 2
     err = capsys.readouterr().err
     assert "unknown format" in err and "fp4" in err and err.count("\n") == 1
+
+
+def test_eval_kv_command_writes_its_table(tmp_path: Any) -> None:
+    import json
+
+    from kvstack.cli.main import main
+
+    out = tmp_path / "kv.json"
+    code = main(["eval", "kv", "--tokens", "64", "--window", "32", "--chunk", "16",
+                 "--agreement-tokens", "4", "--settings", "float32,int8,window",
+                 "--kv-window", "32", "--out", str(out)])
+    assert code == 0
+    rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["float32", "int8", "window"]
+    assert rows["float32"]["perplexity_change"] == 0
+    # int8 K/V: a byte per element plus a float16 scale per token and head, vs 4 bytes.
+    assert rows["int8"]["tokens_per_gib"] > 3.5 * rows["float32"]["tokens_per_gib"]
+    assert abs(rows["int8"]["perplexity_change"]) < 0.05
+    assert rows["window"]["kv_window"] == 32

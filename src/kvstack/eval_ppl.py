@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstack.cli import DEFAULT_MODEL, positive_int
+from kvstack.cli import DEFAULT_MODEL, name_list, positive_int
 
 # name -> LLM keyword arguments; the first is the reference the others are compared with.
 FORMATS: dict[str, dict[str, Any]] = {
@@ -37,16 +37,6 @@ class FormatRow:
     num_prompts: int
 
 
-def _format_list(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in FORMATS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown format {', '.join(unknown) or text!r}; choose from {', '.join(FORMATS)}"
-        )
-    return names
-
-
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "ppl",
@@ -58,7 +48,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="the embedded model's name, a .gguf file or a Hugging Face folder")
-    parser.add_argument("--formats", type=_format_list, default=list(FORMATS), metavar="LIST",
+    parser.add_argument("--formats", type=name_list(tuple(FORMATS), "format"),
+                        default=list(FORMATS), metavar="LIST",
                         help=f"comma-separated, first is the reference (default: "
                         f"{','.join(FORMATS)})")
     parser.add_argument("--tokens", type=positive_int, default=4096, metavar="N",

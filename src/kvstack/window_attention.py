@@ -74,7 +74,8 @@ def key_positions(window: SlidingWindow, start: int, end: int) -> torch.Tensor:
     """Positions a query in [start, end) may see: the sinks, then the recent window of the
     first query through the last new token."""
     sinks = torch.arange(min(window.sink_tokens, end))
-    low = max(window.sink_tokens, start - window.recent + 1)
+    # A sequence still shorter than the sinks (a first chunk of 1-3 tokens) has no recent part.
+    low = min(max(window.sink_tokens, start - window.recent + 1), end)
     return torch.cat((sinks, torch.arange(low, end)))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kvstack.config import parse_size
@@ -41,6 +42,21 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
+
+
+def name_list(choices: Sequence[str], noun: str) -> Callable[[str], list[str]]:
+    """An argparse type for a comma-separated list of names, each one of `choices`."""
+
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {noun} {', '.join(unknown) or text!r}; choose from {', '.join(choices)}"
+            )
+        return names
+
+    return parse
 
 
 def positive_float(text: str) -> float:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstack.cli import DEFAULT_MODEL, non_negative_int, positive_int
+from kvstack.cli import DEFAULT_MODEL, name_list, non_negative_int, positive_int
 
 SETTINGS = ("float32", "bfloat16", "int8", "fp8", "int4", "window", "window-int8",
             "window-int4")
@@ -38,16 +38,6 @@ class KVRow:
     num_prompts: int
 
 
-def _settings(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SETTINGS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown setting {', '.join(unknown) or text!r}; choose from {', '.join(SETTINGS)}"
-        )
-    return names
-
-
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "kv",
@@ -61,7 +51,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="the embedded model's name, a .gguf file or a Hugging Face folder")
-    parser.add_argument("--settings", type=_settings, default=list(SETTINGS), metavar="LIST",
+    parser.add_argument("--settings", type=name_list(SETTINGS, "setting"),
+                        default=list(SETTINGS), metavar="LIST",
                         help=f"comma-separated, the first is the reference (default: "
                         f"{','.join(SETTINGS)})")
     parser.add_argument("--tokens", type=positive_int, default=4096, metavar="N",
