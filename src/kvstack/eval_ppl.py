@@ -9,13 +9,11 @@ prints one table (JSON with `--out`).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvstack.cli import DEFAULT_MODEL, name_list, positive_int
+from kvstack.cli import name_list
+from kvstack.quality import AgainstReference, Scores, add_eval_args, write_eval_json
 
 # name -> LLM keyword arguments; the first is the reference the others are compared with.
 FORMATS: dict[str, dict[str, Any]] = {
@@ -30,11 +28,7 @@ FORMATS: dict[str, dict[str, Any]] = {
 class FormatRow:
     name: str
     weight_bytes: int
-    perplexity: float
-    perplexity_change: float  # relative to the reference, e.g. 0.002 = +0.2%
-    token_agreement: float
-    exact_prompts: int
-    num_prompts: int
+    scores: Scores
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -46,65 +40,43 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "bfloat16, int8).",
         epilog="example: kvstack eval ppl --tokens 2048 --formats float32-reference,int8",
     )
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="the embedded model's name, a .gguf file or a Hugging Face folder")
+    add_eval_args(parser)
     parser.add_argument("--formats", type=name_list(tuple(FORMATS), "format"),
                         default=list(FORMATS), metavar="LIST",
                         help=f"comma-separated, first is the reference (default: "
                         f"{','.join(FORMATS)})")
-    parser.add_argument("--tokens", type=positive_int, default=4096, metavar="N",
-                        help="held-out tokens scored")
-    parser.add_argument("--window", type=positive_int, default=1024, metavar="N",
-                        help="tokens per scored window (each window is one prompt)")
-    parser.add_argument("--agreement-tokens", type=positive_int, default=64, metavar="N",
-                        help="greedy tokens generated per agreement prompt")
-    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                        help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
-                        help="also write the table as JSON here")
     parser.set_defaults(run=run)
     return parser
 
 
-def evaluate(model: str, formats: list[str], num_tokens: int, window: int,
-             agreement_tokens: int, threads: int | None = None) -> list[FormatRow]:
+def evaluate(args: argparse.Namespace) -> list[FormatRow]:
     from kvstack.llm import LLM
-    from kvstack.quality import greedy_agreement, greedy_outputs, heldout_token_ids, perplexity
 
-    rows: list[FormatRow] = []
-    reference: tuple[float, list[list[int]]] | None = None
-    for name in formats:
-        llm = LLM(model=model, kv_cache_memory="512MiB", num_threads=threads, **FORMATS[name])
-        ids = heldout_token_ids(llm.get_tokenizer(), num_tokens)
-        ppl = perplexity(llm, ids, window=window).perplexity
-        outputs = greedy_outputs(llm, max_tokens=agreement_tokens)
-        if reference is None:
-            reference = (ppl, outputs)
-        agreement = greedy_agreement(reference[1], outputs)
-        rows.append(FormatRow(name, llm.engine.model.num_weight_bytes, ppl,
-                              ppl / reference[0] - 1, agreement.token_agreement,
-                              agreement.exact_matches, agreement.num_prompts))
-        llm.close()
+    scorer = AgainstReference(args.tokens, args.window, args.agreement_tokens)
+    rows = []
+    for name in args.formats:
+        with LLM(model=args.model, kv_cache_memory="512MiB", num_threads=args.threads,
+                 **FORMATS[name]) as llm:
+            rows.append(FormatRow(name, llm.engine.model.num_weight_bytes, scorer.score(llm)))
     return rows
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = evaluate(args.model, args.formats, args.tokens, args.window, args.agreement_tokens,
-                    args.threads)
+    rows = evaluate(args)
     print(f"held-out text: {args.tokens} tokens of pydoc_data.topics in windows of "
-          f"{args.window}; greedy agreement: {rows[0].num_prompts} chat prompts x "
+          f"{args.window}; greedy agreement: {rows[0].scores.num_prompts} chat prompts x "
           f"{args.agreement_tokens} tokens vs {rows[0].name}")
     print(f"{'format':<18} {'weights':>9} {'perplexity':>10} {'change':>8} "
           f"{'agreement':>9} {'identical':>9}")
     for r in rows:
-        print(f"{r.name:<18} {r.weight_bytes / 2**20:7.0f}MiB {r.perplexity:10.4f} "
-              f"{100 * r.perplexity_change:+7.2f}% {100 * r.token_agreement:8.1f}% "
-              f"{r.exact_prompts:>5}/{r.num_prompts}")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"eval": "ppl", "model": args.model, "tokens": args.tokens,
-                   "window": args.window, "agreement_tokens": args.agreement_tokens,
-                   "load_average": os.getloadavg()[0],
-                   "rows": [r.__dict__ for r in rows]}
-        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+        s = r.scores
+        print(f"{r.name:<18} {r.weight_bytes / 2**20:7.0f}MiB {s.perplexity:10.4f} "
+              f"{100 * s.perplexity_change:+7.2f}% {100 * s.token_agreement:8.1f}% "
+              f"{s.exact_prompts:>5}/{s.num_prompts}")
+    write_eval_json(args.out, {
+        "eval": "ppl", "model": args.model, "tokens": args.tokens, "window": args.window,
+        "agreement_tokens": args.agreement_tokens,
+        "rows": [{"name": r.name, "weight_bytes": r.weight_bytes} | asdict(r.scores)
+                 for r in rows],
+    })
     return 0

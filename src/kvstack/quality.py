@@ -10,9 +10,13 @@ earlier chunks back from the KV cache, so a lossy cache (quantized, windowed) sh
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvstack.errors import InvalidRequestError
@@ -110,3 +114,61 @@ def greedy_agreement(reference: Sequence[Sequence[int]],
         total += len(ref)
         exact += int(list(ref) == list(cand))
     return Agreement(agreed / total if total else 1.0, exact, len(reference))
+
+
+# -- what `kvstack eval ppl` and `kvstack eval kv` share -----------------------------------
+
+
+def add_eval_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of an evaluation that compares LLM settings on the held-out text."""
+    from kvstack.cli import DEFAULT_MODEL, positive_int
+
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="the embedded model's name, a .gguf file or a Hugging Face folder")
+    parser.add_argument("--tokens", type=positive_int, default=4096, metavar="N",
+                        help="held-out tokens scored")
+    parser.add_argument("--window", type=positive_int, default=1024, metavar="N",
+                        help="tokens per scored window (each window is one prompt)")
+    parser.add_argument("--agreement-tokens", type=positive_int, default=64, metavar="N",
+                        help="greedy tokens generated per agreement prompt")
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                        help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="also write the table as JSON here")
+
+
+@dataclass(frozen=True)
+class Scores:
+    perplexity: float
+    perplexity_change: float  # relative to the reference, e.g. 0.002 = +0.2%
+    token_agreement: float
+    exact_prompts: int
+    num_prompts: int
+
+
+class AgainstReference:
+    """Scores LLMs one after another; the first one scored is the reference."""
+
+    def __init__(self, num_tokens: int, window: int, agreement_tokens: int) -> None:
+        self.num_tokens = num_tokens
+        self.window = window
+        self.agreement_tokens = agreement_tokens
+        self._reference: tuple[float, list[list[int]]] | None = None
+
+    def score(self, llm: LLM) -> Scores:
+        ids = heldout_token_ids(llm.get_tokenizer(), self.num_tokens)
+        ppl = perplexity(llm, ids, window=self.window).perplexity
+        outputs = greedy_outputs(llm, max_tokens=self.agreement_tokens)
+        if self._reference is None:
+            self._reference = (ppl, outputs)
+        agreement = greedy_agreement(self._reference[1], outputs)
+        return Scores(ppl, ppl / self._reference[0] - 1, agreement.token_agreement,
+                      agreement.exact_matches, agreement.num_prompts)
+
+
+def write_eval_json(path: Path | None, payload: dict[str, Any]) -> None:
+    """Write an evaluation's table (with the load it ran under) as JSON, if asked."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload | {"load_average": os.getloadavg()[0]}, indent=2) + "\n")
