@@ -32,7 +32,10 @@ def test_linear_kernel_matches_torch(rows: int, k: int, n: int, dtype: torch.dty
     w = torch.randn(n, k, generator=gen) * 0.05
     bias = torch.randn(n, generator=gen)
     x = torch.randn(rows, k, generator=gen).to(dtype)
-    fast = Linear(w, bias, dtype)(x)
+    lin = Linear(w, bias, dtype)
+    if dtype == torch.bfloat16 and build.has_bf16_dot():
+        assert lin.kernel == "gemv_bf16dp"  # bf16 x bf16 dot products on this CPU
+    fast = lin(x)
     ref = Linear(w, bias, dtype, use_kernels=False)(x)
     assert fast.dtype == ref.dtype == dtype and fast.shape == (rows, n)
     exact = F.linear(x.double(), w.to(dtype).double(), bias.to(dtype).double())

@@ -44,7 +44,7 @@ _SIGNATURES = {
     # q, k, v, slots, lens, seqs, max_ctx, heads, kv_heads, dim, scale, out, threads
     "decode_attention": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT],
 }
-_SUFFIXES = {"gemv": ("f32", "bf16", "i8", "q8")}
+_SUFFIXES = {"gemv": ("f32", "bf16", "i8", "q8", "bf16dp")}
 
 
 def _cpu_flags() -> str:
@@ -89,6 +89,11 @@ def _build(sources: list[Path], target: Path) -> None:
 def has_vnni() -> bool:
     """AVX512-VNNI (vpdpbusd): int8 decode uses `gemv_q8` (int8 activations) with it."""
     return "avx512_vnni" in _cpu_flags().split()
+
+
+def has_bf16_dot() -> bool:
+    """AVX512-BF16 (vdpbf16ps): bf16 decode uses `gemv_bf16dp` with it."""
+    return "avx512_bf16" in _cpu_flags().split()
 
 
 @cache

@@ -19,7 +19,7 @@ import torch
 from kvstack.kernels import build
 from kvstack.kernels.linear import Linear
 
-_KINDS = {"gemv_f32": 0, "gemv_bf16": 1, "gemv_i8": 2, "gemv_q8": 3}
+_KINDS = {"gemv_f32": 0, "gemv_bf16": 1, "gemv_i8": 2, "gemv_q8": 3, "gemv_bf16dp": 4}
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 

@@ -9,6 +9,8 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 #include <stdint.h>
 
 
@@ -232,4 +234,73 @@ void gemv_q8(const float *x, int64_t rows, int64_t k, const int8_t *w, int64_t n
                 }
         }
     }
+}
+
+/* bf16 weights x bf16 activations (AVX512-BF16): 32 products per vdpbf16ps, no widening of
+ * the weights, for models whose activations are bf16 anyway (x arrives as fp32 holding bf16
+ * values, so narrowing it back is exact). Sums accumulate in fp32. */
+#define DEFINE_BF16DP_BLOCK(R)                                                                 \
+    __attribute__((target("avx512f,avx512bw,avx512bf16")))                                    \
+    static inline void bf16dp_block_##R(const uint16_t *xb, int64_t kp, int64_t k,            \
+                                        const uint16_t *w, int64_t nn, float out[R][4]) {     \
+        __m512 acc[R][4];                                                                      \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                       \
+        for (int64_t i = 0; i < k; i += 32) {                                                  \
+            const __mmask32 m = k - i >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (k - i)) - 1); \
+            __m512i wv[4];                                                                     \
+            for (int j = 0; j < 4; j++)                                                        \
+                wv[j] = j < nn ? _mm512_maskz_loadu_epi16(m, w + j * k + i)                    \
+                               : _mm512_setzero_si512();                                       \
+            for (int r = 0; r < R; r++) {                                                      \
+                const __m512i xv = _mm512_loadu_si512(xb + r * kp + i);                         \
+                for (int j = 0; j < 4; j++)                                                    \
+                    acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)xv, (__m512bh)wv[j]);    \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < 4; j++) out[r][j] = _mm512_reduce_add_ps(acc[r][j]);           \
+    }
+
+DEFINE_BF16DP_BLOCK(1)
+DEFINE_BF16DP_BLOCK(2)
+DEFINE_BF16DP_BLOCK(3)
+DEFINE_BF16DP_BLOCK(4)
+
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void gemv_bf16dp(const float *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n,
+                 const float *scale, const float *bias, float *y, int threads) {
+    const int64_t kp = (k + 31) & ~(int64_t)31; /* rows padded with zeros to whole vectors */
+    uint16_t *xb = calloc((size_t)(rows * kp), sizeof(uint16_t));
+    if (!xb) return;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < k; i++) {
+            uint32_t u;
+            memcpy(&u, x + r * k + i, 4);
+            xb[r * kp + i] = (uint16_t)(u >> 16); /* exact: x holds bf16 values */
+        }
+    const int64_t nblocks = (n + 3) / 4;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        const int64_t n0 = blk * 4, nn = n - n0 < 4 ? n - n0 : 4;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;
+            float out[4][4];
+            const uint16_t *xr = xb + r0 * kp;
+            switch (rr) {
+            case 1: bf16dp_block_1(xr, kp, k, w + n0 * k, nn, out); break;
+            case 2: bf16dp_block_2(xr, kp, k, w + n0 * k, nn, out); break;
+            case 3: bf16dp_block_3(xr, kp, k, w + n0 * k, nn, out); break;
+            default: bf16dp_block_4(xr, kp, k, w + n0 * k, nn, out); break;
+            }
+            for (int64_t r = 0; r < rr; r++)
+                for (int64_t j = 0; j < nn; j++) {
+                    float s = out[r][j];
+                    if (scale) s *= scale[n0 + j];
+                    if (bias) s += bias[n0 + j];
+                    y[(r0 + r) * n + n0 + j] = s;
+                }
+        }
+    }
+    free(xb);
 }

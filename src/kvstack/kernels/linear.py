@@ -58,6 +58,8 @@ class Linear:
         name = _GEMV.get(self.weight.dtype, "")
         if name == "gemv_i8" and build.has_vnni():
             name = "gemv_q8"  # int8 x int8 dot products; see gemv.c
+        if name == "gemv_bf16" and build.has_bf16_dot():
+            name = "gemv_bf16dp"  # bf16 x bf16 dot products (the activations are bf16)
         self._gemv = getattr(lib, name) if lib is not None else None
         self.kernel = name if lib is not None else None  # which gemv decode steps use
         self.max_kernel_rows = INT8_KERNEL_ROWS if self.scale is not None else FLOAT_KERNEL_ROWS

@@ -168,13 +168,15 @@ void gemv_i8(const float *, int64_t, int64_t, const int8_t *, int64_t, const flo
              const float *, float *, int);
 void gemv_q8(const float *, int64_t, int64_t, const int8_t *, int64_t, const float *,
              const float *, float *, int);
+void gemv_bf16dp(const float *, int64_t, int64_t, const uint16_t *, int64_t, const float *,
+                 const float *, float *, int);
 
 typedef struct {
     const void *w;
     const float *scale; /* int8 weights: per output row; else NULL */
     const float *bias;  /* fp32 or NULL */
     int64_t n, k;
-    int64_t kind; /* 0 gemv_f32, 1 gemv_bf16, 2 gemv_i8, 3 gemv_q8 */
+    int64_t kind; /* 0 gemv_f32, 1 gemv_bf16, 2 gemv_i8, 3 gemv_q8, 4 gemv_bf16dp */
 } Lin;
 
 typedef struct {
@@ -193,7 +195,8 @@ static gemv_fn pick(int64_t kind) {
     case 0: return (gemv_fn)gemv_f32;
     case 1: return (gemv_fn)gemv_bf16;
     case 2: return (gemv_fn)gemv_i8;
-    default: return (gemv_fn)gemv_q8;
+    case 3: return (gemv_fn)gemv_q8;
+    default: return (gemv_fn)gemv_bf16dp;
     }
 }
 
