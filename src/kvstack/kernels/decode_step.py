@@ -54,7 +54,7 @@ def _lin(lin: Linear) -> _Lin:
     assert lin.kernel is not None
     return _Lin(lin.weight.data_ptr(),
                 lin.scale.data_ptr() if lin.scale is not None else None,
-                lin._bias32.data_ptr() if lin._bias32 is not None else None,
+                lin.bias32.data_ptr() if lin.bias32 is not None else None,
                 lin.out_features, lin.in_features, _KINDS[lin.kernel])
 
 

@@ -6,8 +6,9 @@ Weights are held in the activations' dtype, or with `quantization="int8"` weight
 symmetric per output channel (w ~= q * scale[out], q in [-127, 127]); activations stay in the
 model dtype, except inside the int8 decode kernel on CPUs with AVX512-VNNI, which quantizes
 each 64-element block of an activation row to int8 (as llama.cpp's Q8 activations do) so a
-dot product of 64 weights is one instruction. The C kernels cover fp32, bf16 and int8
-weights; other dtypes (float64 in tests) always take PyTorch's path.
+dot product of 64 weights is one instruction (bf16 models on AVX512-BF16 likewise multiply
+bf16 by bf16, 32 products an instruction). The C kernels cover fp32, bf16 and int8 weights;
+other dtypes (float64 in tests) always take PyTorch's path.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Linear:
         else:
             self.weight = weight.to(act_dtype).contiguous()
         self.bias = bias.to(act_dtype) if bias is not None else None
-        self._bias32 = bias.float().contiguous() if bias is not None else None
+        self.bias32 = bias.float().contiguous() if bias is not None else None  # for the kernels
         lib = build.load() if use_kernels and act_dtype in _GEMV else None
         name = _GEMV.get(self.weight.dtype, "")
         if name == "gemv_i8" and build.has_vnni():
@@ -91,7 +92,7 @@ class Linear:
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         self._gemv(
             x32.data_ptr(), rows, self.in_features, self.weight.data_ptr(), self.out_features,
-            _ptr(self.scale), _ptr(self._bias32), y.data_ptr(), torch.get_num_threads(),
+            _ptr(self.scale), _ptr(self.bias32), y.data_ptr(), torch.get_num_threads(),
         )
         return y if self.act_dtype == torch.float32 else y.to(self.act_dtype)
 
