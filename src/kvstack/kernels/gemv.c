@@ -134,6 +134,37 @@ DEFINE_GEMV(gemv_bf16, bf16, uint16_t)
 DEFINE_GEMV(gemv_i8, i8, int8_t)
 
 
+/* The loop both dot-product kernels below share: blocks of 4 W rows split between threads,
+ * x rows 4 at a time through BLOCK_1..4(x rows, ..., w, nn, out); OFF[r] (or NULL) is subtracted
+ * from row r's sums before the scale. */
+#define DOT_PRODUCT_LOOP(BLOCK, XR, OFF, ...)                                                   \
+    {                                                                                          \
+        const float *off_ = (OFF);                                                             \
+        const int64_t nblocks = (n + 3) / 4;                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                       \
+        for (int64_t blk = 0; blk < nblocks; blk++) {                                          \
+            const int64_t n0 = blk * 4, nn = n - n0 < 4 ? n - n0 : 4;                           \
+            for (int64_t r0 = 0; r0 < rows; r0 += 4) {                                        \
+                const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;                               \
+                float out[4][4];                                                               \
+                switch (rr) {                                                                  \
+                case 1: BLOCK##_1(XR, __VA_ARGS__, w + n0 * k, nn, out); break;                \
+                case 2: BLOCK##_2(XR, __VA_ARGS__, w + n0 * k, nn, out); break;                \
+                case 3: BLOCK##_3(XR, __VA_ARGS__, w + n0 * k, nn, out); break;                \
+                default: BLOCK##_4(XR, __VA_ARGS__, w + n0 * k, nn, out); break;               \
+                }                                                                              \
+                for (int64_t r = 0; r < rr; r++)                                               \
+                    for (int64_t j = 0; j < nn; j++) {                                         \
+                        float s_ = out[r][j];                                                  \
+                        if (off_) s_ -= off_[r0 + r];                                          \
+                        if (scale) s_ *= scale[n0 + j];                                        \
+                        if (bias) s_ += bias[n0 + j];                                          \
+                        y[(r0 + r) * n + n0 + j] = s_;                                         \
+                    }                                                                          \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
 /* int8 weights x int8 activations (AVX512-VNNI), for decode with int8 weights: each 64-element
  * block of an x row is quantized to int8 with its own scale (amax / 127; measured on the
  * embedded model: +0.01% perplexity over fp32 activations), and 64 weights x activations
@@ -208,32 +239,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void gemv_q8(const float *x, int64_t rows, int64_t k, const int8_t *w, int64_t n,
              const float *scale, const float *bias, float *y, int threads) {
     const int64_t nb = (k + QB - 1) / QB;
-    int8_t xq[rows * nb * QB] __attribute__((aligned(64)));
+    int8_t xq[rows * nb * QB];
     float sx[rows * nb], corr[rows];
     quantize_rows(x, rows, k, xq, sx, corr);
-    const int64_t nblocks = (n + 3) / 4;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-        const int64_t n0 = blk * 4, nn = n - n0 < 4 ? n - n0 : 4;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;
-            float out[4][4];
-            const int8_t *xr = xq + r0 * nb * QB;
-            const float *sr = sx + r0 * nb;
-            switch (rr) {
-            case 1: q8_block_1(xr, sr, nb, k, w + n0 * k, nn, out); break;
-            case 2: q8_block_2(xr, sr, nb, k, w + n0 * k, nn, out); break;
-            case 3: q8_block_3(xr, sr, nb, k, w + n0 * k, nn, out); break;
-            default: q8_block_4(xr, sr, nb, k, w + n0 * k, nn, out); break;
-            }
-            for (int64_t r = 0; r < rr; r++)
-                for (int64_t j = 0; j < nn; j++) {
-                    float s = (out[r][j] - corr[r0 + r]) * scale[n0 + j];
-                    if (bias) s += bias[n0 + j];
-                    y[(r0 + r) * n + n0 + j] = s;
-                }
-        }
-    }
+    DOT_PRODUCT_LOOP(q8_block, xq + r0 * nb * QB, corr, sx + r0 * nb, nb, k)
 }
 
 /* bf16 weights x bf16 activations (AVX512-BF16): 32 products per vdpbf16ps, no widening of
@@ -279,28 +288,6 @@ void gemv_bf16dp(const float *x, int64_t rows, int64_t k, const uint16_t *w, int
             memcpy(&u, x + r * k + i, 4);
             xb[r * kp + i] = (uint16_t)(u >> 16); /* exact: x holds bf16 values */
         }
-    const int64_t nblocks = (n + 3) / 4;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-        const int64_t n0 = blk * 4, nn = n - n0 < 4 ? n - n0 : 4;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;
-            float out[4][4];
-            const uint16_t *xr = xb + r0 * kp;
-            switch (rr) {
-            case 1: bf16dp_block_1(xr, kp, k, w + n0 * k, nn, out); break;
-            case 2: bf16dp_block_2(xr, kp, k, w + n0 * k, nn, out); break;
-            case 3: bf16dp_block_3(xr, kp, k, w + n0 * k, nn, out); break;
-            default: bf16dp_block_4(xr, kp, k, w + n0 * k, nn, out); break;
-            }
-            for (int64_t r = 0; r < rr; r++)
-                for (int64_t j = 0; j < nn; j++) {
-                    float s = out[r][j];
-                    if (scale) s *= scale[n0 + j];
-                    if (bias) s += bias[n0 + j];
-                    y[(r0 + r) * n + n0 + j] = s;
-                }
-        }
-    }
+    DOT_PRODUCT_LOOP(bf16dp_block, xb + r0 * kp, (const float *)NULL, kp, k)
     free(xb);
 }
