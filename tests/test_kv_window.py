@@ -220,7 +220,7 @@ def test_embedded_window_before_eviction_is_full_attention() -> None:
     ({"kv_window": 64, "kv_sink_tokens": -1}, "kv_sink_tokens must be an integer >= 0"),
     ({"kv_window": 64.5}, "kv_window must be an integer"),
     ({"kv_window": 64, "use_kv_cache": False}, "turn the KV cache on"),
-    ({"kv_window": 64, "kv_disk_dir": "/tmp/x"}, "cannot use KV tiers"),
+    ({"kv_window": 64, "kv_disk_dir": "kv-tiers"}, "cannot use KV tiers"),
 ])
 def test_bad_window_settings_are_typed_errors(kwargs: dict[str, Any], mentions: str) -> None:
     with pytest.raises(InvalidRequestError, match=mentions):
