@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from kvstack import LLM, SamplingParams
-from kvstack.async_engine import AsyncLLM, QueueFullError
+from kvstack.engine.async_llm import AsyncLLM, QueueFullError
 from kvstack.errors import InvalidRequestError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -18,11 +18,11 @@ import torch
 from conftest import EMBEDDED, cached_checkpoint
 from helpers.tiny_models import make_tiny_hf_folder
 
-from kvstack.bench import cli as bench_cli
 from kvstack.bench import common, report
 from kvstack.bench.common import BenchOptions, Subject, distinct_prompts
 from kvstack.bench.peers import case as peers_case
 from kvstack.bench.pressure import constrained_blocks
+from kvstack.cli import bench as bench_cli
 from kvstack.cli.main import main
 
 CASES = ("cache", "throughput", "prefix", "pressure", "ttft", "peers")

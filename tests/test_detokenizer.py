@@ -11,7 +11,7 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstack.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from kvstack.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from kvstack.weights import EMBEDDED_MODEL, resolve_model
 
 TEXTS = [

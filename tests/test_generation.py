@@ -14,8 +14,8 @@ from helpers.tiny_models import VARIANTS, make_tiny_hf_folder
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvstack import LLM, SamplingParams
-from kvstack.engine import LLMEngine
-from kvstack.request import Request
+from kvstack.engine.core import LLMEngine
+from kvstack.engine.request import Request
 
 NUM_NEW_TOKENS = 64
 # Max |ours - transformers| on cached K/V (fp32, same weights); measured 1.5e-5 on values up

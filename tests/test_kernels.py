@@ -202,7 +202,7 @@ def _prompt_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
 def test_reduced_precision_stays_within_tolerance(
     kwargs: dict[str, Any], max_ppl_increase: float, max_mean_abs: float
 ) -> None:
-    from kvstack.quality import heldout_token_ids
+    from kvstack.eval.quality import heldout_token_ids
 
     ref_llm = LLM(kv_cache_memory="64MiB", kernels="torch")
     ids = heldout_token_ids(ref_llm.get_tokenizer(), 400)

@@ -15,11 +15,11 @@ from kvstack import LLM, SamplingParams
 from kvstack.cli.main import main
 from kvstack.config import ModelConfig
 from kvstack.errors import InvalidRequestError
-from kvstack.estimate import KVShape
-from kvstack.kv.int4 import Int4KVStorage
-from kvstack.kv.quantized import make_kv_storage
+from kvstack.eval.quality import greedy_agreement, greedy_outputs
+from kvstack.kv.sizing import KVShape
+from kvstack.kv.storage.int4 import Int4KVStorage
+from kvstack.kv.storage.quantized import make_kv_storage
 from kvstack.kv.tiers.codec import BlockFault, BlockFormat
-from kvstack.quality import greedy_agreement, greedy_outputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

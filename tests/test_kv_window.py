@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM
 from kvstack import LLM, SamplingParams
 from kvstack.cli.main import main
 from kvstack.errors import InvalidRequestError
-from kvstack.estimate import KVShape
+from kvstack.kv.sizing import KVShape
 from kvstack.kv.window import SlidingWindow
-from kvstack.window_attention import build_span, key_positions
+from kvstack.layers.window_attention import build_span, key_positions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -63,7 +63,7 @@ class _NoRope:
 
 
 def _part(w: SlidingWindow, start: int, end: int) -> Any:
-    from kvstack.window_attention import SpanRequest
+    from kvstack.layers.window_attention import SpanRequest
 
     keys = key_positions(w, start, end)
     return SpanRequest(list(range(end - start)), start, keys, keys)

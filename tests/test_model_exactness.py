@@ -24,10 +24,10 @@ from transformers import AutoModelForCausalLM
 
 from kvstack import LLM, SamplingParams
 from kvstack.bench.peers import transformers_model
-from kvstack.engine import LLMEngine
-from kvstack.kv.storage import KVCacheStorage
+from kvstack.engine.core import LLMEngine
+from kvstack.engine.tokenizer import load_tokenizer
+from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.models import model_class
-from kvstack.tokenizer import load_tokenizer
 from kvstack.weights import Checkpoint, load_checkpoint
 
 # Max |ours - transformers| on logits (fp32, same weights; the embedded model's logits reach

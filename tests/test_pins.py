@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstack.detokenizer import IncrementalDetokenizer, NullDecoder
-from kvstack.kv.kv_cache_manager import KVCacheManager
-from kvstack.request import Request
+from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder
+from kvstack.engine.request import Request
+from kvstack.kv.manager import KVCacheManager
 from kvstack.sampling_params import SamplingParams
 
 BS = 4

@@ -12,7 +12,7 @@ import torch
 
 from kvstack import LLM, SamplingParams
 from kvstack.errors import InvalidRequestError
-from kvstack.quality import (
+from kvstack.eval.quality import (
     greedy_agreement,
     heldout_text,
     heldout_token_ids,

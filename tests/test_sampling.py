@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstack.errors import InvalidRequestError
-from kvstack.sampler import Sampler, SamplingState, apply_penalties, make_generator
+from kvstack.layers.sampler import Sampler, SamplingState, apply_penalties, make_generator
 from kvstack.sampling_params import SamplingParams
 
 VOCAB = 64

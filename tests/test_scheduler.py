@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvstack.config import SchedulerConfig
-from kvstack.detokenizer import IncrementalDetokenizer, NullDecoder
+from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder
+from kvstack.engine.request import Request, RequestStatus
+from kvstack.engine.scheduler import Scheduler, SchedulerOutput
 from kvstack.kv.block_hash import BlockHash
 from kvstack.kv.block_pool import BlockPool
-from kvstack.kv.kv_cache_manager import KVCacheManager, PrefixHit
-from kvstack.request import Request, RequestStatus
+from kvstack.kv.manager import KVCacheManager, PrefixHit
 from kvstack.sampling_params import SamplingParams
-from kvstack.scheduler import Scheduler, SchedulerOutput
 
 VOCAB = 50
 

@@ -19,13 +19,13 @@ import pytest
 from helpers.live_server import LiveServer, start_server
 
 from kvstack.cli.main import main
+from kvstack.eval.semantic import Pair, choose_threshold, load_pairs, score, sweep
 from kvstack.semantic import Answer, Scope, SemanticCache, SemanticCacheConfig, SemanticCacheError
 from kvstack.semantic.cache import DB_FILE, DEFAULT_THRESHOLD, INDEX_FILE
 from kvstack.semantic.embedder import MiniLMEmbedder
-from kvstack.semantic.eval import Pair, choose_threshold, load_pairs, score, sweep
 from kvstack.semantic.guard import reject_reason
 from kvstack.server.auth import Tenant
-from kvstack.server.semantic import HEADER, tenant_id
+from kvstack.server.semantic_api import HEADER, tenant_id
 
 MODEL = "smollm2-135m"
 KEY_A, KEY_B = "sem-key-a-0123456789", "sem-key-b-9876543210"

@@ -24,15 +24,15 @@ from helpers.redis_server import RedisServer, redis_server, start_redis  # noqa:
 import kvstack
 from kvstack.cli.main import main as cli_main
 from kvstack.config import ModelConfig
+from kvstack.engine.llm import LLM
 from kvstack.kv.block_hash import hash_block
-from kvstack.kv.storage import KVCacheStorage
+from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.kv.tiers import disk as disk_module
 from kvstack.kv.tiers.base import KVTier
 from kvstack.kv.tiers.chain import TierChain
 from kvstack.kv.tiers.codec import HEADER, BlockFault, BlockFormat, parse_header
 from kvstack.kv.tiers.disk import DiskTier, block_files
 from kvstack.kv.tiers.redis_tier import RedisTier
-from kvstack.llm import LLM
 from kvstack.sampling_params import SamplingParams
 
 FP = "ab" * 32
@@ -410,8 +410,8 @@ def warm_dir(tmp_path_factory: pytest.TempPathFactory, cold: dict[str, Any]) -> 
 
 PROBE = """
 import json, sys
-import kvstack.engine as engine_module
-from kvstack.llm import LLM
+import kvstack.engine.core as engine_module
+from kvstack.engine.llm import LLM
 from kvstack.sampling_params import SamplingParams
 from kvstack.weights import load_checkpoint
 checkpoint = load_checkpoint("smollm2-135m")

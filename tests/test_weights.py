@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from kvstack.engine.tokenizer import load_tokenizer
 from kvstack.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
-from kvstack.tokenizer import load_tokenizer
 from kvstack.weights import Checkpoint, load_checkpoint, resolve_model
 
 # Max |loaded - original| allowed, relative to the tensor's max |weight|. Bounds of the

@@ -9,7 +9,7 @@ from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvstack.llm import LLM
+    from kvstack.engine.llm import LLM
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "KvstackError"]
 __version__ = "0.1.0"
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # LLM pulls in torch and transformers (seconds); `kvstack --help` should not wait for them.
     if name == "LLM":
-        from kvstack.llm import LLM
+        from kvstack.engine.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'kvstack' has no attribute {name!r}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstack.errors import InvalidRequestError, UnsupportedModelError
-from kvstack.kv.kv_dtype import check_kv_cache_dtype
+from kvstack.kv.dtypes import check_kv_cache_dtype
 
 _SIZE_UNITS = {
     "": 1, "b": 1,

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import kvstack
+from kvstack.engine.llm import LLM
+from kvstack.engine.tokenizer import load_tokenizer
 from kvstack.errors import InvalidRequestError, KvstackError, ModelLoadError
-from kvstack.estimate import KVShape
-from kvstack.llm import LLM
-from kvstack.tokenizer import load_tokenizer
+from kvstack.kv.sizing import KVShape
 from kvstack.weights import load_checkpoint
 
 if TYPE_CHECKING:

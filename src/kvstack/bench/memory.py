@@ -30,8 +30,8 @@ from kvstack.bench.common import (
     ratio,
     save_figure,
 )
-from kvstack.cli import decode_rate
-from kvstack.estimate import KVShape, format_bytes
+from kvstack.cli.args import decode_rate
+from kvstack.kv.sizing import KVShape, format_bytes
 from kvstack.sampling_params import SamplingParams
 
 KV_DTYPES = ("float32", "bfloat16", "int8", "fp8", "int4")

@@ -27,7 +27,7 @@ from kvstack.bench.common import (
     save_figure,
 )
 from kvstack.bench.throughput import sizes as throughput_sizes
-from kvstack.estimate import format_bytes
+from kvstack.kv.sizing import format_bytes
 from kvstack.sampling_params import SamplingParams
 
 BUDGET_FRACTION = 3  # the constrained pool holds 1/3 of the blocks the workload needs

@@ -46,8 +46,8 @@ from kvstack.bench.common import (
     save_figure,
     topic_texts,
 )
+from kvstack.engine.chat import chat_token_ids, common_prefix_len
 from kvstack.errors import InvalidRequestError, KvstackError
-from kvstack.server.prompts import chat_token_ids, common_prefix_len
 
 LEVELS = (1, 8, 32)
 QUICK_LEVELS = (1, 2)

@@ -39,7 +39,7 @@ from kvstack.bench.common import (
     save_figure,
     topic_texts,
 )
-from kvstack.llm import LLM
+from kvstack.engine.llm import LLM
 from kvstack.sampling_params import SamplingParams
 
 QUESTION = "\n\nQ: What is this about?\nA:"

@@ -31,7 +31,7 @@ from kvstack.bench.common import (
 )
 from kvstack.bench.peers.hf import TransformersPeer
 from kvstack.bench.prefix import document
-from kvstack.llm import LLM
+from kvstack.engine.llm import LLM
 from kvstack.sampling_params import SamplingParams
 
 LENGTHS = (128, 256, 512, 1024, 2048, 4096)

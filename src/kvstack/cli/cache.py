@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstack.cli import add_model_args, load_llm
+from kvstack.cli.args import add_model_args, load_llm
 from kvstack.errors import InvalidRequestError
-from kvstack.estimate import format_bytes
+from kvstack.kv.sizing import format_bytes
 from kvstack.kv.tiers.codec import HEADER, BlockFault, parse_header
 from kvstack.kv.tiers.disk import SUFFIX, DiskTier, block_files
 from kvstack.kv.tiers.redis_tier import connect, scan_blocks

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvstack.cli import (
+from kvstack.cli.args import (
     add_model_args,
     add_sampling_args,
     load_llm,
@@ -20,7 +20,7 @@ from kvstack.cli import (
     sampling_params,
     stream_text,
 )
-from kvstack.llm import Message
+from kvstack.engine.llm import Message
 
 _EXIT_COMMANDS = ("/exit", "/quit")
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvstack.cli import (
+from kvstack.cli.args import (
     add_model_args,
     decode_rate,
     load_llm,
@@ -17,8 +17,8 @@ from kvstack.cli import (
     stream_text,
     total_time,
 )
-from kvstack.estimate import KVShape, format_bytes
-from kvstack.llm import LLM
+from kvstack.engine.llm import LLM
+from kvstack.kv.sizing import KVShape, format_bytes
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 

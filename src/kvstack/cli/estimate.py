@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvstack.cli import DEFAULT_MODEL, byte_size, non_negative_int, positive_int
+from kvstack.cli.args import DEFAULT_MODEL, byte_size, non_negative_int, positive_int
 from kvstack.config import CacheConfig
 from kvstack.errors import InvalidRequestError
-from kvstack.estimate import KVShape, format_bytes
-from kvstack.kv.kv_dtype import KV_CACHE_DTYPES, resolve
+from kvstack.kv.dtypes import KV_CACHE_DTYPES, resolve
+from kvstack.kv.sizing import KVShape, format_bytes
 from kvstack.weights import load_checkpoint
 
 _SHAPE_FLAGS = ("layers", "kv_heads", "head_dim")

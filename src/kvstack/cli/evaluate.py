@@ -11,7 +11,7 @@ import argparse
 import importlib
 from typing import Any
 
-EVALS: tuple[str, ...] = ("kvstack.semantic.eval", "kvstack.eval_ppl", "kvstack.kv.eval")
+EVALS: tuple[str, ...] = ("kvstack.eval.semantic", "kvstack.eval.ppl", "kvstack.eval.kv")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

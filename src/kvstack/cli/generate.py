@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvstack.cli import (
+from kvstack.cli.args import (
     add_model_args,
     add_sampling_args,
     decode_rate,
@@ -16,7 +16,7 @@ from kvstack.cli import (
     sampling_params,
     stream_text,
 )
-from kvstack.llm import PromptType
+from kvstack.engine.llm import PromptType
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -9,10 +9,8 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 import kvstack
-from kvstack.bench import cli as bench
-from kvstack.cli import cache, chat, demo, estimate, evaluate, generate
+from kvstack.cli import bench, cache, chat, demo, estimate, evaluate, generate, serve
 from kvstack.errors import KvstackError
-from kvstack.server import cli as serve
 
 # Each module contributes `add_parser(subparsers)` (which sets `run` as a default) and
 # `run(args) -> int`; a new subcommand is one more entry here.

@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvstack.attention import AttentionMetadata, paged_attention
 from kvstack.config import ModelConfig
 from kvstack.errors import ModelLoadError
 from kvstack.kernels import ops as kernel_ops
 from kvstack.kernels.decode_step import DecodeStep
 from kvstack.kernels.linear import Linear
-from kvstack.kv.storage import KVCacheStorage
+from kvstack.kv.storage.base import KVCacheStorage
+from kvstack.layers.attention import AttentionMetadata, paged_attention
+from kvstack.layers.rope import RotaryEmbedding
 from kvstack.models.registry import register
-from kvstack.models.rope import RotaryEmbedding
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

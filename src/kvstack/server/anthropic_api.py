@@ -17,15 +17,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvstack.engine.chat import chat_token_ids, common_prefix_len
 from kvstack.errors import InvalidRequestError
 from kvstack.outputs import RequestOutput
 from kvstack.server.app import ServerState, parse_body, server_state
 from kvstack.server.auth import AuthTenant
 from kvstack.server.errors import ApiError, from_exception
 from kvstack.server.generation import Generation, unless_disconnected
-from kvstack.server.prompts import chat_token_ids, common_prefix_len
 from kvstack.server.protocol import CacheControl, ContentBlock, MessagesRequest
-from kvstack.server.semantic import Probe, Replay, split_conversation
+from kvstack.server.semantic_api import Probe, Replay, split_conversation
 
 router = APIRouter()
 

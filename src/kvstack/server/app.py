@@ -19,17 +19,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvstack.async_engine import AsyncLLM
-from kvstack.engine import LLMEngine
+from kvstack.engine.async_llm import AsyncLLM
+from kvstack.engine.core import LLMEngine
+from kvstack.engine.llm import LLM
 from kvstack.errors import InvalidRequestError, PromptTooLongError
-from kvstack.llm import LLM
 from kvstack.sampling_params import SamplingParams
 from kvstack.semantic.cache import SemanticCache, SemanticCacheConfig
 from kvstack.server.auth import KeyRing
 from kvstack.server.errors import ApiError, error_response, install_handlers
 from kvstack.server.generation import Generation
 from kvstack.server.metrics import ServerMetrics
-from kvstack.server.semantic import SemanticService
+from kvstack.server.semantic_api import SemanticService
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -197,7 +197,7 @@ def create_app(
     it down (after in-flight requests drained) when the server stops. Likewise a given
     `semantic_cache` stays the caller's; `config.semantic` makes one the app closes.
     """
-    from kvstack.server import anthropic_api, openai_api, semantic
+    from kvstack.server import anthropic_api, openai_api, semantic_api
 
     config = config or ServerConfig()
     keys = api_keys if isinstance(api_keys, KeyRing) else KeyRing(api_keys)
@@ -210,10 +210,10 @@ def create_app(
         state = ServerState(engine, keys, config)
         fingerprint = engine.engine.fingerprint
         if semantic_cache is not None:
-            state.semantic = semantic.SemanticService(semantic_cache, fingerprint,
+            state.semantic = semantic_api.SemanticService(semantic_cache, fingerprint,
                                                       state.metrics.registry, owned=False)
         elif config.semantic is not None:
-            state.semantic = semantic.SemanticService.build(config.semantic, fingerprint,
+            state.semantic = semantic_api.SemanticService.build(config.semantic, fingerprint,
                                                             state.metrics.registry)
     except BaseException:
         if owned:
@@ -248,5 +248,5 @@ def create_app(
 
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
-    app.include_router(semantic.router)
+    app.include_router(semantic_api.router)
     return app

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from kvstack.async_engine import AsyncLLM
+from kvstack.engine.async_llm import AsyncLLM
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 from kvstack.server.errors import ClientGoneError

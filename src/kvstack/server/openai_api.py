@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvstack.engine.chat import chat_token_ids
 from kvstack.errors import InvalidRequestError
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
@@ -18,14 +19,13 @@ from kvstack.server.app import ServerState, parse_body, server_state
 from kvstack.server.auth import AuthTenant
 from kvstack.server.errors import ApiError, from_exception
 from kvstack.server.generation import Generation, unless_disconnected
-from kvstack.server.prompts import chat_token_ids
 from kvstack.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     OpenAISampling,
 )
-from kvstack.server.semantic import Probe, Replay, split_conversation
+from kvstack.server.semantic_api import Probe, Replay, split_conversation
 
 router = APIRouter()
 

@@ -23,7 +23,7 @@ import torch
 
 from kvstack.config import CacheConfig
 from kvstack.kv.block_hash import BlockHash
-from kvstack.kv.storage import KVCacheStorage
+from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.kv.tiers.base import KVTier, TierStats
 from kvstack.kv.tiers.codec import BlockFault, BlockFormat
 from kvstack.kv.tiers.disk import DiskTier

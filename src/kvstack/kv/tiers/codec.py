@@ -27,7 +27,7 @@ import zlib
 from dataclasses import dataclass
 
 from kvstack.kv.block_hash import BlockHash
-from kvstack.kv.kv_dtype import layer_block_bytes
+from kvstack.kv.dtypes import layer_block_bytes
 
 MAGIC = b"KVSTBLK\0"
 FORMAT_VERSION = 1

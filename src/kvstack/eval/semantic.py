@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstack.cli import DEFAULT_MODEL, positive_int
+from kvstack.cli.args import DEFAULT_MODEL, positive_int
 from kvstack.errors import InvalidRequestError
 from kvstack.semantic.cache import DEFAULT_THRESHOLD, SemanticCache, SemanticCacheConfig, normalize
 from kvstack.semantic.embedder import Embedder
@@ -163,7 +163,7 @@ def replay(embedder: Embedder, pairs: list[Pair], threshold: float) -> dict[str,
 
 def model_ttft(model: str, threads: int, num: int = 5) -> float:
     """Median TTFT of short chat questions on the model (after one warm-up request)."""
-    from kvstack.llm import LLM
+    from kvstack.engine.llm import LLM
     from kvstack.sampling_params import SamplingParams
 
     questions = ["What is the capital of Australia?", "How do I reverse a list in Python?",

@@ -8,12 +8,12 @@ from types import TracebackType
 from typing import Any
 
 from kvstack.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
-from kvstack.engine import LLMEngine
+from kvstack.engine.core import LLMEngine
+from kvstack.engine.stats import EngineStats
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.tiers.base import TierStats
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
-from kvstack.stats import EngineStats
 
 PromptType = str | dict[str, Any]
 Message = dict[str, str]

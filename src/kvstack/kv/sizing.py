@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvstack.config import ModelConfig
 from kvstack.errors import InvalidRequestError
-from kvstack.kv.kv_dtype import FLOAT_BYTES, layer_block_bytes, window_pool_blocks
+from kvstack.kv.dtypes import FLOAT_BYTES, layer_block_bytes, window_pool_blocks
 
 
 @dataclass(frozen=True)

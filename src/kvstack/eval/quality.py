@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstack.engine.llm import LLM
 from kvstack.errors import InvalidRequestError
-from kvstack.llm import LLM
 from kvstack.sampling_params import SamplingParams
 
 # A fixed prompt set for greedy agreement: short chat questions of different kinds.
@@ -121,7 +121,7 @@ def greedy_agreement(reference: Sequence[Sequence[int]],
 
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
     """The flags of an evaluation that compares LLM settings on the held-out text."""
-    from kvstack.cli import DEFAULT_MODEL, positive_int
+    from kvstack.cli.args import DEFAULT_MODEL, positive_int
 
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="the embedded model's name, a .gguf file or a Hugging Face folder")

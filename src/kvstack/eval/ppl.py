@@ -12,8 +12,8 @@ import argparse
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvstack.cli import name_list
-from kvstack.quality import AgainstReference, Scores, add_eval_args, write_eval_json
+from kvstack.cli.args import name_list
+from kvstack.eval.quality import AgainstReference, Scores, add_eval_args, write_eval_json
 
 # name -> LLM keyword arguments; the first is the reference the others are compared with.
 FORMATS: dict[str, dict[str, Any]] = {
@@ -50,7 +50,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def evaluate(args: argparse.Namespace) -> list[FormatRow]:
-    from kvstack.llm import LLM
+    from kvstack.engine.llm import LLM
 
     scorer = AgainstReference(args.tokens, args.window, args.agreement_tokens)
     rows = []

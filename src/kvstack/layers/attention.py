@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from kvstack.kernels import ops as kernel_ops
-from kvstack.kv.storage import KVCacheStorage
-from kvstack.window_attention import WindowSpan, window_attention
+from kvstack.kv.storage.base import KVCacheStorage
+from kvstack.layers.window_attention import WindowSpan, window_attention
 
 
 @dataclass

@@ -12,26 +12,26 @@ from collections.abc import Sequence
 import torch
 
 from kvstack.config import EngineConfig
-from kvstack.detokenizer import IncrementalDetokenizer, NullDecoder, find_stop, stop_holdback
+from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder, find_stop, stop_holdback
+from kvstack.engine.request import Request
+from kvstack.engine.runner import ModelRunner
+from kvstack.engine.scheduler import Scheduler, SchedulerOutput
+from kvstack.engine.stats import EngineStats
+from kvstack.engine.tokenizer import load_tokenizer
 from kvstack.errors import CapacityError, InvalidRequestError, PromptTooLongError
-from kvstack.estimate import KVShape
-from kvstack.kv.kv_cache_manager import KVCacheManager
-from kvstack.kv.kv_dtype import resolve
-from kvstack.kv.quantized import make_kv_storage
-from kvstack.kv.storage import KVCacheStorage
+from kvstack.kv.dtypes import resolve
+from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.sizing import KVShape
+from kvstack.kv.storage.base import KVCacheStorage
+from kvstack.kv.storage.quantized import make_kv_storage
 from kvstack.kv.tiers.base import TierStats
 from kvstack.kv.tiers.chain import TierChain, build_tiers
 from kvstack.kv.tiers.codec import BlockFormat
 from kvstack.kv.window import SlidingWindow
+from kvstack.layers.sampler import Sampler
 from kvstack.models import model_class
 from kvstack.outputs import CompletionOutput, RequestOutput
-from kvstack.request import Request
-from kvstack.runner import ModelRunner
-from kvstack.sampler import Sampler
 from kvstack.sampling_params import SamplingParams
-from kvstack.scheduler import Scheduler, SchedulerOutput
-from kvstack.stats import EngineStats
-from kvstack.tokenizer import load_tokenizer
 from kvstack.weights import load_checkpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

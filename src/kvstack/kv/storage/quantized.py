@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from kvstack.config import ModelConfig
-from kvstack.kv.int4 import Int4KVStorage
-from kvstack.kv.storage import KVCacheStorage, gather
+from kvstack.kv.storage.base import KVCacheStorage, gather
+from kvstack.kv.storage.int4 import Int4KVStorage
 
 # Below this a float16 scale goes subnormal and loses precision; rows that small (|x| < 8e-3)
 # are quantized in steps of 6e-5 instead.

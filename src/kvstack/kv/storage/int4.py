@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstack.config import ModelConfig
-from kvstack.kv.kv_dtype import check_int4_head_dim
-from kvstack.kv.storage import KVCacheStorage, gather
+from kvstack.kv.dtypes import check_int4_head_dim
+from kvstack.kv.storage.base import KVCacheStorage, gather
 
 MIN_SCALE = 2.0**-14  # float16's smallest normal; a flat range quantizes in steps of 6e-5
 

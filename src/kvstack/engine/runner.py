@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstack.attention import AttentionMetadata, PrefillSpan
-from kvstack.kv.storage import KVCacheStorage
+from kvstack.engine.request import Request
+from kvstack.engine.scheduler import SchedulerOutput
+from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.kv.window import SlidingWindow
-from kvstack.request import Request
-from kvstack.sampler import Sampler
-from kvstack.scheduler import SchedulerOutput
-from kvstack.window_attention import (
+from kvstack.layers.attention import AttentionMetadata, PrefillSpan
+from kvstack.layers.sampler import Sampler
+from kvstack.layers.window_attention import (
     SpanRequest,
     WindowRoPE,
     WindowSpan,

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from kvstack.config import ModelConfig
-from kvstack.kv.storage import KVCacheStorage
+from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.kv.window import SlidingWindow
-from kvstack.models.rope import inv_frequencies
+from kvstack.layers.rope import inv_frequencies
 
 
 @dataclass

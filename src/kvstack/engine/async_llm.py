@@ -11,11 +11,11 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from kvstack.engine import LLMEngine
+from kvstack.engine.core import LLMEngine
+from kvstack.engine.stats import EngineStats
 from kvstack.errors import KvstackError
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
-from kvstack.stats import EngineStats
 
 
 class EngineDeadError(KvstackError):

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from kvstack.cli import add_model_args, byte_size, load_llm, positive_float, positive_int
+from kvstack.cli.args import add_model_args, byte_size, load_llm, positive_float, positive_int
 from kvstack.errors import InvalidRequestError
 
 if TYPE_CHECKING:

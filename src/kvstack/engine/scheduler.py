@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvstack.config import SchedulerConfig
-from kvstack.kv.kv_cache_manager import KVCacheManager
-from kvstack.request import Request, RequestStatus
+from kvstack.engine.request import Request, RequestStatus
+from kvstack.kv.manager import KVCacheManager
 
 
 @dataclass

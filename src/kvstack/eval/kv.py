@@ -2,7 +2,7 @@
 
 For each setting (the float32 cache as reference; bfloat16, int8, fp8, int4 K/V; the
 APPROXIMATE sliding-window mode) it measures perplexity on a held-out text (Python's own
-documentation, `kvstack.quality`) prefilled in chunks, so every chunk attends to the earlier
+documentation, `kvstack.eval.quality`) prefilled in chunks, so every chunk attends to the earlier
 ones through the cache as stored, and greedy agreement with the reference over a fixed chat
 prompt set; beside them the KV bytes per token the engine allocates and the tokens a 1 GiB
 budget holds. One table is printed; `--out` writes it as JSON.
@@ -14,8 +14,8 @@ import argparse
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvstack.cli import name_list, non_negative_int, positive_int
-from kvstack.quality import AgainstReference, Scores, add_eval_args, write_eval_json
+from kvstack.cli.args import name_list, non_negative_int, positive_int
+from kvstack.eval.quality import AgainstReference, Scores, add_eval_args, write_eval_json
 
 SETTINGS = ("float32", "bfloat16", "int8", "fp8", "int4", "window", "window-int8",
             "window-int4")
@@ -69,8 +69,8 @@ def setting_kwargs(name: str, kv_window: int, sinks: int) -> dict[str, Any]:
 
 
 def evaluate(args: argparse.Namespace) -> list[KVRow]:
-    from kvstack.estimate import KVShape
-    from kvstack.llm import LLM
+    from kvstack.engine.llm import LLM
+    from kvstack.kv.sizing import KVShape
 
     scorer = AgainstReference(args.tokens, args.window, args.agreement_tokens)
     rows: list[KVRow] = []

@@ -6,11 +6,11 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvstack.detokenizer import IncrementalDetokenizer
+from kvstack.engine.detokenizer import IncrementalDetokenizer
 from kvstack.kv.block_hash import BlockHash
 from kvstack.kv.block_pool import KVBlock
+from kvstack.layers.sampler import SamplingState, make_generator
 from kvstack.outputs import RequestMetrics
-from kvstack.sampler import SamplingState, make_generator
 from kvstack.sampling_params import SamplingParams
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvstack.engine.request import Request
 from kvstack.kv.block_hash import BlockHash, hash_full_blocks
 from kvstack.kv.block_pool import BlockPool, KVBlock
 from kvstack.kv.pins import PinRegistry
 from kvstack.kv.tiers.base import BlockTiers
 from kvstack.kv.window import SlidingWindow
-from kvstack.request import Request
 
 
 @dataclass(frozen=True)
