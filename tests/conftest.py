@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-import kvstack.engine.core as engine_module
+import kvstack.engine.builder as engine_module
 from kvstack.bench.peers import transformers_model
 from kvstack.weights import Checkpoint, load_checkpoint
 

@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING, Any
 from kvstack.errors import KvstackError
 from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.sampling_params import SamplingParams
+from kvstack.version import __version__
 
 if TYPE_CHECKING:
     from kvstack.engine.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "KvstackError"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "KvstackError",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -2,37 +2,35 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstack.errors import InvalidRequestError, UnsupportedModelError
-from kvstack.kv.dtypes import check_kv_cache_dtype
+from kvstack.units import parse_size
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
+__all__ = ["EMBEDDED_MODEL", "KV_CACHE_DTYPES", "CacheConfig", "EngineConfig", "ModelConfig",
+           "SchedulerConfig", "check_kv_cache_dtype", "parse_size"]
 
-def parse_size(value: int | str) -> int:
-    """'1GiB' -> 1073741824; plain ints are bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value <= 0:
-            raise InvalidRequestError(f"size must be positive, got {value}")
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise InvalidRequestError(f"cannot parse size {value!r}; use e.g. '512MiB' or '1GiB'")
-    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-    if size <= 0:
-        raise InvalidRequestError(f"size must be positive, got {value!r}")
-    return size
+# The model that ships with kvstack (`weights/resolve.py` finds its file).
+EMBEDDED_MODEL = "smollm2-135m"
+
+# Element types of the stored K/V; `kv/dtypes.py` says what each costs.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "int4")
+
+
+def check_kv_cache_dtype(name: object) -> str:
+    if name not in KV_CACHE_DTYPES:
+        raise InvalidRequestError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}"
+        )
+    return str(name)
+
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture hyper-parameters of a Llama-family decoder (HF config.json names mapped)."""
+    """Architecture hyper-parameters of a decoder (each family maps its config.json in
+    `models/<family>.py`)."""
 
     architecture: str
     vocab_size: int
@@ -59,56 +57,6 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise UnsupportedModelError(f"model config {name} must be positive")
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dict."""
-        model_type = hf.get("model_type", "unknown")
-        archs = hf.get("architectures") or [_MODEL_TYPE_ARCH.get(model_type, model_type)]
-        num_heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return cls(
-            architecture=archs[0],
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            max_model_len=hf.get("max_position_embeddings", 2048),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(hf),
-            rope_scaling=_rope_scaling(hf),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-
-
-_MODEL_TYPE_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-
-
-def _rope_theta(hf: dict[str, Any]) -> float:
-    params = hf.get("rope_parameters") or {}
-    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
-
-
-def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
-    # transformers >= 5 moved rope_scaling into rope_parameters with rope_type "default".
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return None
-    return dict(scaling)
 
 
 @dataclass(frozen=True)

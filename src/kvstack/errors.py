@@ -46,3 +46,9 @@ class UnsupportedModelError(KvstackError):
 
 class CapacityError(KvstackError):
     """A request can never fit in the KV cache pool, even running alone."""
+
+
+def one_line(err: BaseException) -> str:
+    """An exception's message squeezed onto one short line, for wrapping in a user error."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 200 else text[:197] + "..."

@@ -25,6 +25,19 @@ class RequestMetrics:
         return self.first_token_time - self.arrival_time
 
     @property
+    def total_time(self) -> float | None:
+        """From arrival to the finish (or the last token)."""
+        end = self.finished_time or self.last_token_time
+        return None if end is None else end - self.arrival_time
+
+    def decode_rate(self, num_tokens: int) -> float | None:
+        """Tokens per second after the first (the first one is prefill, counted in TTFT)."""
+        if num_tokens < 2 or self.first_token_time is None or self.last_token_time is None:
+            return None
+        elapsed = self.last_token_time - self.first_token_time
+        return (num_tokens - 1) / elapsed if elapsed > 0 else None
+
+    @property
     def tpot(self) -> float | None:
         """Mean time per output token after the first."""
         if not self.inter_token_latencies:

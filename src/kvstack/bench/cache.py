@@ -17,7 +17,6 @@ from kvstack.bench.common import (
     CaseResult,
     Subject,
     TableRow,
-    common_prefix,
     fmt,
     fmt_x,
     new_figure,
@@ -29,6 +28,7 @@ from kvstack.bench.common import (
 from kvstack.bench.peers.hf import PeerRun
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
+from kvstack.units import common_prefix_len
 
 _WARMUP_TOKENS = 2
 
@@ -59,9 +59,9 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
                                                             ours["kv_cache"]["total_s"]),
     }
     agreement = {
-        "ours_kv_cache_vs_no_kv_cache": common_prefix(cached_ids,
+        "ours_kv_cache_vs_no_kv_cache": common_prefix_len(cached_ids,
                                                       ours["no_kv_cache"]["token_ids"]),
-        "ours_vs_transformers": common_prefix(cached_ids, peer["kv_cache"]["token_ids"]),
+        "ours_vs_transformers": common_prefix_len(cached_ids, peer["kv_cache"]["token_ids"]),
     }
     plots = [_plot_latency(options, len(prompt), ours, peer),
              _plot_total(options, len(prompt), ours, peer)]

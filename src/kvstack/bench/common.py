@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import kvstack
 from kvstack.engine.llm import LLM
 from kvstack.engine.tokenizer import load_tokenizer
 from kvstack.errors import InvalidRequestError, KvstackError, ModelLoadError
 from kvstack.kv.sizing import KVShape
+from kvstack.version import __version__
 from kvstack.weights import load_checkpoint
 
 if TYPE_CHECKING:
@@ -231,22 +231,8 @@ def fmt(value: float | None, digits: int = 1, unit: str = "") -> str:
     return "n/a" if value is None else f"{value:.{digits}f}{unit}"
 
 
-def fmt_ms(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
-
-
 def fmt_x(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two outputs share (greedy runs of equal models match fully)."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def progress(options: BenchOptions, total: int, desc: str) -> tqdm:
@@ -285,7 +271,7 @@ def machine_info(threads: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "kvstack": kvstack.__version__,
+        "kvstack": __version__,
         "kvstack_commit": source_commit(),
     }
 
@@ -295,7 +281,7 @@ def source_commit() -> str | None:
     """The git commit this kvstack runs from (`-dirty` with uncommitted changes), or None
     outside a git checkout. Cached: the first call (as a run starts) names the code that was
     imported, whatever is committed while the run goes on."""
-    root = Path(kvstack.__file__).resolve().parent.parent.parent  # <root>/src/kvstack
+    root = Path(__file__).resolve().parents[3]  # <root>/src/kvstack/bench/common.py
     if not (root / ".git").exists():
         return None
     try:

@@ -30,12 +30,15 @@ from kvstack.bench.common import (
     ratio,
     save_figure,
 )
-from kvstack.cli.args import decode_rate
-from kvstack.kv.sizing import KVShape, format_bytes
 from kvstack.sampling_params import SamplingParams
+from kvstack.units import format_bytes
 
 KV_DTYPES = ("float32", "bfloat16", "int8", "fp8", "int4")
 MIB = 1024**2
+
+
+# Sequences the engines may run at once: int4's full-precision window pool has one block each.
+_MAX_NUM_SEQS = 64
 
 
 def sizes(quick: bool) -> tuple[int, int, int, int]:
@@ -99,7 +102,7 @@ def _decode_in_turns(subject: Subject, budget: int, prompt: list[int], params: S
     for _ in range(rounds):
         for name, llm in engines.items():
             out = llm.generate({"prompt_token_ids": prompt}, params)[0]
-            rate = decode_rate(out.metrics, len(out.outputs[0].token_ids))
+            rate = out.metrics.decode_rate(len(out.outputs[0].token_ids))
             best[name] = max(best[name] or 0.0, rate or 0.0) or None
     for llm in engines.values():
         llm.close()
@@ -109,16 +112,13 @@ def _decode_in_turns(subject: Subject, budget: int, prompt: list[int], params: S
 def _measure(subject: Subject, budget: int, prompt: list[int], params: SamplingParams,
              **kv: Any) -> dict[str, Any]:
     """Build an engine, count its allocation, stream the request; KV bytes after each token."""
-    llm = subject.llm(kv_cache_memory=budget, enable_prefix_caching=False, **kv)
-    engine = llm.engine
-    storage = engine.kv_storage
-    cache = engine.config.cache
-    shape = KVShape.of(engine.model_config, engine.kv_cache_dtype, block_size=cache.block_size,
-                       model_dtype=engine.config.dtype, window=cache.kv_window,
-                       sink_tokens=cache.kv_sink_tokens)
-    max_num_seqs = engine.config.scheduler.max_num_seqs
-    allocated = sum(t.numel() * t.element_size() for t in storage.tensors())
-    per_block = (allocated - shape.window_pool_bytes(max_num_seqs)) / storage.num_blocks
+    llm = subject.llm(kv_cache_memory=budget, enable_prefix_caching=False,
+                      max_num_seqs=_MAX_NUM_SEQS, **kv)
+    info = llm.info
+    shape = info.kv_shape
+    assert shape is not None
+    allocated = info.kv_cache_bytes  # summed over the storage's tensors as allocated
+    per_block = (allocated - shape.window_pool_bytes(_MAX_NUM_SEQS)) / info.num_kv_blocks
     curve: dict[str, list[float]] = {"tokens": [], "measured": [], "estimate": []}
     final = None
     for out in llm.stream({"prompt_token_ids": prompt}, params):
@@ -133,25 +133,25 @@ def _measure(subject: Subject, budget: int, prompt: list[int], params: SamplingP
     matches = (curve["measured"] == curve["estimate"] if shape.window is None else
                all(m <= e for m, e in zip(curve["measured"], curve["estimate"], strict=True)))
     result = {
-        "kv_cache_dtype": engine.kv_cache_dtype,
-        "kv_window": cache.kv_window,
-        "num_blocks": storage.num_blocks,
+        "kv_cache_dtype": info.kv_cache_dtype,
+        "kv_window": info.kv_window,
+        "num_blocks": info.num_kv_blocks,
         "allocated_bytes": allocated,
-        "window_pool_bytes": shape.window_pool_bytes(max_num_seqs),
+        "window_pool_bytes": shape.window_pool_bytes(_MAX_NUM_SEQS),
         "bytes_per_block": per_block,
         "bytes_per_block_estimate": shape.bytes_per_block,
-        "tokens_per_budget": storage.num_blocks * storage.block_size,
+        "tokens_per_budget": info.num_kv_blocks * info.block_size,
         "tokens_per_budget_estimate": shape.max_tokens_for_budget(budget,
-                                                                  max_num_seqs=max_num_seqs),
+                                                                  max_num_seqs=_MAX_NUM_SEQS),
         "estimate_matches": matches,
-        "decode_tok_s": decode_rate(final.metrics, len(final.outputs[0].token_ids)),
+        "decode_tok_s": final.metrics.decode_rate(len(final.outputs[0].token_ids)),
         "ttft_s": final.metrics.ttft,
         "token_ids": final.outputs[0].token_ids,
         "rss_mib": _rss_mib(),
         "curve": curve,
     }
     llm.close()
-    del llm, engine, storage
+    del llm
     gc.collect()
     return result
 

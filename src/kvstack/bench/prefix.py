@@ -9,7 +9,7 @@ and a deep copy of the document's `DynamicCache` handed to `generate` (warm).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstack.bench.common import (
     BenchOptions,
@@ -17,7 +17,6 @@ from kvstack.bench.common import (
     Subject,
     TableRow,
     fmt,
-    fmt_ms,
     fmt_x,
     log_scale_y,
     median,
@@ -29,6 +28,10 @@ from kvstack.bench.common import (
 )
 from kvstack.engine.llm import LLM
 from kvstack.sampling_params import SamplingParams
+from kvstack.units import format_ms
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 QUESTIONS = (
     "What does the with statement do?",
@@ -39,6 +42,8 @@ QUESTIONS = (
 )
 # Caches the document in the warm pass; never one of the measured questions.
 PRIMER = "Summarize the document in one sentence."
+
+Sample = dict[str, Any]  # one measured request: ttft_s, token_ids (and our cached tokens)
 
 
 def sizes(quick: bool) -> tuple[int, int, int]:
@@ -68,63 +73,101 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     primer = with_question(subject, doc, PRIMER)
     longest = max(len(p) for p in [*prompts, primer]) + new_tokens
     subject.require_context(longest, "the prefix benchmark")
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
 
     with progress(options, 4 * len(prompts) + 2, "prefix") as bar:
-        llm = subject.llm(enable_prefix_caching=True,
-                          max_num_batched_tokens=max(2048, longest),
-                          kv_cache_memory=subject.kv_shape().bytes_for(longest, 4))
-        llm.generate({"prompt_token_ids": prompts[0][-8:]}, params)
-        cold = []
-        for p in prompts:
-            llm.reset_prefix_cache()
-            cold.append(_ours_once(llm, p, params))
-            bar.update(1)
+        cold, primed, warm = _measure_ours(subject, prompts, primer, new_tokens, longest, bar)
+        peer_cold, peer_prefill_s, peer_warm = _measure_peer(subject, doc, prompts, new_tokens,
+                                                             bar)
+
+    rows = [_row(q, prompts[i], cold[i], warm[i], peer_cold[i], peer_warm[i])
+            for i, q in enumerate(questions)]
+    agg = _aggregate(rows)
+    plot = _plot(options, rows, len(doc))
+    return CaseResult(
+        case="prefix",
+        summary=_summary(len(doc), rows, agg),
+        config={"model": options.model, "quick": options.quick, "document_tokens": len(doc),
+                "document_source": "pydoc_data.topics", "questions": list(questions),
+                "primer": PRIMER, "new_tokens": new_tokens, "greedy": True,
+                "weights": subject.weight_format, "transformers_dtype": "float32"},
+        results={"questions": rows, "aggregate": agg,
+                 "ours_primer": {"ttft_s": primed["ttft_s"], "prompt_tokens": len(primer)},
+                 "transformers_document_prefill_s": peer_prefill_s},
+        plots=[plot],
+        table=[_table_row(len(doc), rows, agg)],
+    )
+
+
+def _measure_ours(subject: Subject, prompts: list[list[int]], primer: list[int],
+                  new_tokens: int, longest: int,
+                  bar: tqdm) -> tuple[list[Sample], Sample, list[Sample]]:
+    """(cold runs, the priming run, warm runs) on our engine with the prefix cache on."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm = subject.llm(enable_prefix_caching=True,
+                      max_num_batched_tokens=max(2048, longest),
+                      kv_cache_memory=subject.kv_shape().bytes_for(longest, 4))
+    llm.generate({"prompt_token_ids": prompts[0][-8:]}, params)
+    cold = []
+    for p in prompts:
         llm.reset_prefix_cache()
-        primed = _ours_once(llm, primer, params)
+        cold.append(_ours_once(llm, p, params))
         bar.update(1)
-        warm = []
-        for p in prompts:
-            warm.append(_ours_once(llm, p, params))
-            bar.update(1)
-        del llm
-
-        peer = subject.peer()
-        peer.generate([prompts[0][-8:]], new_tokens)
-        peer_cold = []
-        for p in prompts:
-            r = peer.generate([p], new_tokens)
-            peer_cold.append({"ttft_s": r.ttft, "token_ids": r.token_ids[0]})
-            bar.update(1)
-        doc_cache, peer_prefill_s = peer.prefill(doc)
+    llm.reset_prefix_cache()
+    primed = _ours_once(llm, primer, params)
+    bar.update(1)
+    warm = []
+    for p in prompts:
+        warm.append(_ours_once(llm, p, params))
         bar.update(1)
-        peer_warm = []
-        for p in prompts:
-            r = peer.generate([p], new_tokens, past_key_values=doc_cache)
-            peer_warm.append({"ttft_s": r.ttft, "token_ids": r.token_ids[0]})
-            bar.update(1)
+    return cold, primed, warm
 
-    rows = []
-    for i, q in enumerate(questions):
-        rows.append({
-            "question": q,
-            "prompt_tokens": len(prompts[i]),
-            "ours": {
-                "cold_ttft_s": cold[i]["ttft_s"],
-                "warm_ttft_s": warm[i]["ttft_s"],
-                "speedup": ratio(cold[i]["ttft_s"], warm[i]["ttft_s"]),
-                "cold_num_cached_tokens": cold[i]["num_cached_tokens"],
-                "warm_num_cached_tokens": warm[i]["num_cached_tokens"],
-                "warm_equals_cold": warm[i]["token_ids"] == cold[i]["token_ids"],
-            },
-            "transformers": {
-                "cold_ttft_s": peer_cold[i]["ttft_s"],
-                "warm_ttft_s": peer_warm[i]["ttft_s"],
-                "speedup": ratio(peer_cold[i]["ttft_s"], peer_warm[i]["ttft_s"]),
-                "warm_equals_cold": peer_warm[i]["token_ids"] == peer_cold[i]["token_ids"],
-            },
-            "ours_equals_transformers": cold[i]["token_ids"] == peer_cold[i]["token_ids"],
-        })
+
+def _measure_peer(subject: Subject, doc: list[int], prompts: list[list[int]], new_tokens: int,
+                  bar: tqdm) -> tuple[list[Sample], float, list[Sample]]:
+    """(cold runs, document prefill seconds, runs on a copied document cache) on transformers."""
+    peer = subject.peer()
+    peer.generate([prompts[0][-8:]], new_tokens)
+    peer_cold = []
+    for p in prompts:
+        r = peer.generate([p], new_tokens)
+        peer_cold.append({"ttft_s": r.ttft, "token_ids": r.token_ids[0]})
+        bar.update(1)
+    doc_cache, peer_prefill_s = peer.prefill(doc)
+    bar.update(1)
+    peer_warm = []
+    for p in prompts:
+        r = peer.generate([p], new_tokens, past_key_values=doc_cache)
+        peer_warm.append({"ttft_s": r.ttft, "token_ids": r.token_ids[0]})
+        bar.update(1)
+    return peer_cold, peer_prefill_s, peer_warm
+
+
+def _row(question: str, prompt: list[int], cold: Sample, warm: Sample, peer_cold: Sample,
+         peer_warm: Sample) -> dict[str, Any]:
+    """One question's results on both engines."""
+    return {
+        "question": question,
+        "prompt_tokens": len(prompt),
+        "ours": {
+            "cold_ttft_s": cold["ttft_s"],
+            "warm_ttft_s": warm["ttft_s"],
+            "speedup": ratio(cold["ttft_s"], warm["ttft_s"]),
+            "cold_num_cached_tokens": cold["num_cached_tokens"],
+            "warm_num_cached_tokens": warm["num_cached_tokens"],
+            "warm_equals_cold": warm["token_ids"] == cold["token_ids"],
+        },
+        "transformers": {
+            "cold_ttft_s": peer_cold["ttft_s"],
+            "warm_ttft_s": peer_warm["ttft_s"],
+            "speedup": ratio(peer_cold["ttft_s"], peer_warm["ttft_s"]),
+            "warm_equals_cold": peer_warm["token_ids"] == peer_cold["token_ids"],
+        },
+        "ours_equals_transformers": cold["token_ids"] == peer_cold["token_ids"],
+    }
+
+
+def _aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the questions per engine, and the ratios between the engines."""
     agg = {
         side: {
             "median_cold_ttft_s": median([r[side]["cold_ttft_s"] for r in rows]),
@@ -140,43 +183,39 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
                                                     agg["ours"]["median_warm_ttft_s"])
     agg["cold_ttft_transformers_over_ours"] = ratio(agg["transformers"]["median_cold_ttft_s"],
                                                     agg["ours"]["median_cold_ttft_s"])
+    return agg
+
+
+def _summary(doc_len: int, rows: list[dict[str, Any]], agg: dict[str, Any]) -> str:
     num_equal = sum(r["ours"]["warm_equals_cold"] for r in rows)
-    plot = _plot(options, rows, len(doc))
     o, t = agg["ours"], agg["transformers"]
-    summary = (
-        f"prefix: {len(doc)}-token document + {len(rows)} questions "
+    return (
+        f"prefix: {doc_len}-token document + {len(rows)} questions "
         f"(median TTFT over questions)"
-        f" | ours cold {fmt_ms(o['median_cold_ttft_s'])}, warm {fmt_ms(o['median_warm_ttft_s'])} "
+        f" | ours cold {format_ms(o['median_cold_ttft_s'])}, "
+        f"warm {format_ms(o['median_warm_ttft_s'])} "
         f"({fmt_x(o['speedup'])}), {fmt(o['median_warm_num_cached_tokens'], 0)} tokens cached"
-        f" | transformers cold {fmt_ms(t['median_cold_ttft_s'])}, warm "
-        f"{fmt_ms(t['median_warm_ttft_s'])} with a copied DynamicCache ({fmt_x(t['speedup'])})"
+        f" | transformers cold {format_ms(t['median_cold_ttft_s'])}, warm "
+        f"{format_ms(t['median_warm_ttft_s'])} with a copied DynamicCache ({fmt_x(t['speedup'])})"
         f" | warm TTFT theirs/ours {fmt_x(agg['warm_ttft_transformers_over_ours'])}"
         f" | warm outputs equal cold: {num_equal}/{len(rows)}"
     )
-    return CaseResult(
-        case="prefix",
-        summary=summary,
-        config={"model": options.model, "quick": options.quick, "document_tokens": len(doc),
-                "document_source": "pydoc_data.topics", "questions": list(questions),
-                "primer": PRIMER, "new_tokens": new_tokens, "greedy": True,
-                "weights": subject.weight_format, "transformers_dtype": "float32"},
-        results={"questions": rows, "aggregate": agg,
-                 "ours_primer": {"ttft_s": primed["ttft_s"], "prompt_tokens": len(primer)},
-                 "transformers_document_prefill_s": peer_prefill_s},
-        plots=[plot],
-        table=[TableRow(
-            f"TTFT, {len(doc)}-token document + question, cold / prefix hit (median of "
-            f"{len(rows)} questions)",
-            f"{fmt_ms(o['median_cold_ttft_s'])} / {fmt_ms(o['median_warm_ttft_s'])}",
-            f"transformers {fmt_ms(t['median_cold_ttft_s'])} / "
-            f"{fmt_ms(t['median_warm_ttft_s'])} (copied DynamicCache)",
-            f"{fmt_x(agg['cold_ttft_transformers_over_ours'])} / "
-            f"{fmt_x(agg['warm_ttft_transformers_over_ours'])}",
-        )],
+
+
+def _table_row(doc_len: int, rows: list[dict[str, Any]], agg: dict[str, Any]) -> TableRow:
+    o, t = agg["ours"], agg["transformers"]
+    return TableRow(
+        f"TTFT, {doc_len}-token document + question, cold / prefix hit (median of "
+        f"{len(rows)} questions)",
+        f"{format_ms(o['median_cold_ttft_s'])} / {format_ms(o['median_warm_ttft_s'])}",
+        f"transformers {format_ms(t['median_cold_ttft_s'])} / "
+        f"{format_ms(t['median_warm_ttft_s'])} (copied DynamicCache)",
+        f"{fmt_x(agg['cold_ttft_transformers_over_ours'])} / "
+        f"{fmt_x(agg['warm_ttft_transformers_over_ours'])}",
     )
 
 
-def _ours_once(llm: LLM, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
+def _ours_once(llm: LLM, prompt: list[int], params: SamplingParams) -> Sample:
     out = llm.generate({"prompt_token_ids": prompt}, params)[0]
     return {"ttft_s": out.metrics.ttft, "num_cached_tokens": out.num_cached_tokens,
             "token_ids": out.outputs[0].token_ids}

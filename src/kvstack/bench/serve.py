@@ -7,7 +7,8 @@ back until the level's requests are done. Every level runs twice: with no system
 with one ~500-token system prompt (Python's reference docs) shared by all requests, which a
 warm-up request has put in the prefix cache. Each request asks its own numbered question, so
 nothing beyond the system prompt is shared; a per-run `cache_salt` keeps earlier runs against
-the same server from counting as hits.
+the same server from counting as hits. The server and the clients live in `http_load`; this
+module holds the workload and turns the requests' timings into the case's numbers.
 
 TTFT is the time from sending a request to its first content chunk; TPOT is (last content
 chunk - first content chunk) / (completion tokens - 1).
@@ -16,22 +17,11 @@ chunk - first content chunk) / (completion tokens - 1).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
+import functools
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 import uuid
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
-
-import httpx
 
 from kvstack.bench.common import (
     BenchOptions,
@@ -39,15 +29,16 @@ from kvstack.bench.common import (
     Subject,
     TableRow,
     fmt,
-    fmt_ms,
     new_figure,
     per_second,
     progress,
     save_figure,
     topic_texts,
 )
-from kvstack.engine.chat import chat_token_ids, common_prefix_len
-from kvstack.errors import InvalidRequestError, KvstackError
+from kvstack.bench.http_load import LoadTest, Sample, server
+from kvstack.engine.chat import chat_token_ids
+from kvstack.errors import InvalidRequestError
+from kvstack.units import common_prefix_len, format_ms
 
 LEVELS = (1, 8, 32)
 QUICK_LEVELS = (1, 2)
@@ -61,13 +52,6 @@ QUESTIONS = (
     "What does the global statement change?",
     "How are default argument values evaluated?",
 )
-START_TIMEOUT_S = 300.0  # model load included
-READ_TIMEOUT_S = 300.0  # longest silence on one stream
-STOP_TIMEOUT_S = 30.0  # SIGTERM drains in-flight requests; then SIGKILL
-
-
-class ServerUnavailableError(KvstackError):
-    """The server given with --url does not answer."""
 
 
 def sizes(quick: bool) -> tuple[tuple[int, ...], int, int]:
@@ -85,44 +69,27 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
                                   f"template; {options.model} has no tokenizer")
     levels, system_len, max_tokens = sizes(options.quick)
     system = system_prompt(subject, system_len)
-    # Two requests' prompts share exactly the tokens every shared-prompt request can reuse.
-    first, second = (chat_token_ids(subject.tokenizer, _messages(system, i)) for i in (0, 1))
-    shared_prefix = common_prefix_len(first, second)
-    longest = max_tokens + max(len(chat_token_ids(subject.tokenizer, _messages(system, n)))
-                               for n in range(10**6, 10**6 + len(QUESTIONS)))
+    shared_prefix, longest = _prompt_lengths(subject, system, max_tokens)
     subject.require_context(longest, "the serve benchmark")
     # Room for every request of the top level at once, plus slack for the cached prefix.
     kv_bytes = subject.kv_shape().bytes_for(longest + 16, max(levels) + 2)
     total = sum(num_requests(c, options.quick) for c in levels) * len(VARIANTS) + len(VARIANTS)
     salt = f"bench-serve-{uuid.uuid4().hex}"
 
-    with _target(options, kv_bytes, max(levels)) as url, progress(options, total, "serve") as bar:
-        load = _LoadTest(url, system, max_tokens, salt, bar)
-        rows = asyncio.run(load.run(levels, options.quick))
+    with server(options, kv_bytes, max(levels)) as url, progress(options, total, "serve") as bar:
+        load = LoadTest(url, functools.partial(_request_messages, system), max_tokens, salt, bar)
+        timings = asyncio.run(load.run(levels, list(VARIANTS),
+                                       lambda c: num_requests(c, options.quick)))
+    rows = [_level_row(level, max_tokens) for level in timings]
     for row in rows:
         for variant in VARIANTS:
             print(row[variant]["summary"], flush=True)
 
     plot = _plot(options, rows, system_len, max_tokens)
     overall = _overall(rows)
-    by_level = "/".join(str(c) for c in levels)
-
-    def series(variant: str, key: str, show: Any) -> str:
-        return "/".join(show(r[variant][key]) for r in rows)
-
-    summary = (
-        f"serve: HTTP streaming chat, {max_tokens} tokens per answer, {by_level} clients"
-        f" | req/s none {series('no_system_prompt', 'requests_per_s', fmt)}, "
-        f"shared {series('shared_system_prompt', 'requests_per_s', fmt)}"
-        f" | TTFT p50 none {series('no_system_prompt', 'ttft_p50_s', fmt_ms)}, "
-        f"shared {series('shared_system_prompt', 'ttft_p50_s', fmt_ms)}"
-        f" | shared prompt: {fmt(overall['shared_mean_cached_tokens'], 0)} of "
-        f"{fmt(overall['shared_mean_prompt_tokens'], 0)} prompt tokens cached (mean)"
-        f" | {overall['num_complete']}/{overall['num_requests']} requests complete"
-    )
     return CaseResult(
         case="serve",
-        summary=summary,
+        summary=_summary(rows, levels, max_tokens, overall),
         config={"model": options.model, "quick": options.quick, "levels": list(levels),
                 "requests_per_level": [num_requests(c, options.quick) for c in levels],
                 "max_tokens": max_tokens, "system_prompt_tokens": system_len,
@@ -138,13 +105,42 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     )
 
 
+def _prompt_lengths(subject: Subject, system: str, max_tokens: int) -> tuple[int, int]:
+    """(prompt tokens every shared-prompt request can reuse, longest prompt + answer)."""
+    # Two requests' prompts share exactly the tokens every shared-prompt request can reuse.
+    first, second = (chat_token_ids(subject.tokenizer, _messages(system, i)) for i in (0, 1))
+    shared_prefix = common_prefix_len(first, second)
+    longest = max_tokens + max(len(chat_token_ids(subject.tokenizer, _messages(system, n)))
+                               for n in range(10**6, 10**6 + len(QUESTIONS)))
+    return shared_prefix, longest
+
+
+def _summary(rows: list[dict[str, Any]], levels: Sequence[int], max_tokens: int,
+             overall: dict[str, Any]) -> str:
+    by_level = "/".join(str(c) for c in levels)
+
+    def series(variant: str, key: str, show: Any) -> str:
+        return "/".join(show(r[variant][key]) for r in rows)
+
+    return (
+        f"serve: HTTP streaming chat, {max_tokens} tokens per answer, {by_level} clients"
+        f" | req/s none {series('no_system_prompt', 'requests_per_s', fmt)}, "
+        f"shared {series('shared_system_prompt', 'requests_per_s', fmt)}"
+        f" | TTFT p50 none {series('no_system_prompt', 'ttft_p50_s', format_ms)}, "
+        f"shared {series('shared_system_prompt', 'ttft_p50_s', format_ms)}"
+        f" | shared prompt: {fmt(overall['shared_mean_cached_tokens'], 0)} of "
+        f"{fmt(overall['shared_mean_prompt_tokens'], 0)} prompt tokens cached (mean)"
+        f" | {overall['num_complete']}/{overall['num_requests']} requests complete"
+    )
+
+
 def _table_row(row: dict[str, Any], max_tokens: int, system_len: int) -> TableRow:
     none, shared = row["no_system_prompt"], row["shared_system_prompt"]
     return TableRow(
         f"HTTP streaming chat, {row['concurrency']} clients, {max_tokens}-token answers: "
         f"req/s and TTFT p50, no system prompt / shared ~{system_len}-token system prompt",
-        f"{fmt(none['requests_per_s'], 2)} req/s, {fmt_ms(none['ttft_p50_s'])} / "
-        f"{fmt(shared['requests_per_s'], 2)} req/s, {fmt_ms(shared['ttft_p50_s'])}",
+        f"{fmt(none['requests_per_s'], 2)} req/s, {format_ms(none['ttft_p50_s'])} / "
+        f"{fmt(shared['requests_per_s'], 2)} req/s, {format_ms(shared['ttft_p50_s'])}",
     )
 
 
@@ -166,176 +162,19 @@ def _messages(system: str | None, number: int) -> list[dict[str, str]]:
     return [*head, {"role": "user", "content": question}]
 
 
-# -- the server ------------------------------------------------------------------------------
+def _request_messages(system: str, variant: str, number: int) -> list[dict[str, str]]:
+    """Request `number`'s messages in `variant`: the system prompt only when shared."""
+    return _messages(system if variant == "shared_system_prompt" else None, number)
 
 
-@contextlib.contextmanager
-def _target(options: BenchOptions, kv_bytes: int, max_num_seqs: int) -> Iterator[str]:
-    """The server's base URL: --url as given, or a `kvstack serve` started (and always
-    stopped) here."""
-    if options.url:
-        url = options.url.rstrip("/")
-        if not _healthy(url):
-            raise ServerUnavailableError(f"no kvstack server answers at {url}/health; start one "
-                                         "with `kvstack serve` or leave out --url")
-        yield url
-        return
-    with tempfile.TemporaryDirectory(prefix="kvstack-bench-serve-") as tmp:
-        log_path = Path(tmp) / "server.log"
-        for _ in range(3):  # the free port may be taken before the server binds it
-            port = _free_port()
-            with log_path.open("wb") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "kvstack", "serve", "--model", options.model,
-                     "--host", "127.0.0.1", "--port", str(port),
-                     "--threads", str(options.threads), "--kv-cache-memory", str(kv_bytes),
-                     "--max-num-seqs", str(max_num_seqs), "--log-level", "warning",
-                     *_format_flags(options)],
-                    stdout=log, stderr=subprocess.STDOUT, env=_same_kvstack_env())
-            try:
-                url = f"http://127.0.0.1:{port}"
-                if _wait_healthy(url, proc):
-                    yield url
-                    return
-                text = log_path.read_text(errors="replace")
-                if "address already in use" not in text.lower():
-                    raise RuntimeError(f"kvstack serve did not come up; log:\n{text[-4000:]}")
-            finally:
-                _stop(proc)
-        raise RuntimeError("no free port found for kvstack serve")
-
-
-def _format_flags(options: BenchOptions) -> list[str]:
-    """`kvstack serve` flags for the run's weight format (none: the server's default)."""
-    flags = ["--dtype", options.dtype] if options.dtype else []
-    return flags + (["--quantization", options.quantization] if options.quantization else [])
-
-
-def _same_kvstack_env() -> dict[str, str]:
-    """The environment with this kvstack first on the path, so the server runs this code."""
-    import kvstack
-
-    src = str(Path(kvstack.__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> bool:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        if _healthy(url):
-            return True
-        time.sleep(0.25)
-    return False
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-# -- the load --------------------------------------------------------------------------------
-
-
-class _LoadTest:
-    """Closed-loop clients on one connection pool; requests are numbered across the run."""
-
-    def __init__(self, url: str, system: str, max_tokens: int, salt: str, bar: Any) -> None:
-        self.url = url
-        self.system = system
-        self.max_tokens = max_tokens
-        self.salt = salt
-        self.bar = bar
-        self.model = ""
-        self.next_number = 0
-
-    async def run(self, levels: Sequence[int], quick: bool) -> list[dict[str, Any]]:
-        limits = httpx.Limits(max_connections=max(levels) + 2)
-        timeout = httpx.Timeout(READ_TIMEOUT_S, connect=10.0)
-        async with httpx.AsyncClient(base_url=self.url, limits=limits, timeout=timeout) as client:
-            models = (await client.get("/v1/models")).raise_for_status().json()
-            self.model = models["data"][0]["id"]
-            for variant in VARIANTS:  # warms the server; caches the shared system prompt
-                await self._one(client, variant)
-                self.bar.update(1)
-            rows = []
-            for c in levels:
-                row: dict[str, Any] = {"concurrency": c}
-                for variant in VARIANTS:
-                    row[variant] = await self._level(client, variant, c,
-                                                     num_requests(c, quick))
-                rows.append(row)
-        return rows
-
-    async def _level(self, client: httpx.AsyncClient, variant: str, concurrency: int,
-                     num: int) -> dict[str, Any]:
-        samples: list[dict[str, Any]] = []
-        left = iter(range(num))
-
-        async def client_loop() -> None:
-            for _ in left:  # shared: each client takes the next request when its last is done
-                samples.append(await self._one(client, variant))
-                self.bar.update(1)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-        return _row(samples, time.perf_counter() - start, variant, concurrency,
-                    self.max_tokens)
-
-    async def _one(self, client: httpx.AsyncClient, variant: str) -> dict[str, Any]:
-        system = self.system if variant == "shared_system_prompt" else None
-        body = {"model": self.model, "messages": _messages(system, self.next_number),
-                "stream": True, "stream_options": {"include_usage": True},
-                "temperature": 0, "max_tokens": self.max_tokens, "ignore_eos": True,
-                "cache_salt": self.salt, "semantic_cache": False}
-        self.next_number += 1
-        first = last = None
-        usage: dict[str, Any] | None = None
-        start = time.perf_counter()
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise RuntimeError(f"the server answered {response.status_code}: "
-                                   f"{response.text[:500]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line.removeprefix("data: "))
-                if "error" in chunk:
-                    raise RuntimeError(f"the server failed mid-stream: {chunk['error']}")
-                if any(choice["delta"].get("content") for choice in chunk["choices"]):
-                    last = time.perf_counter()
-                    first = first or last
-                usage = chunk.get("usage") or usage
-        if usage is None or first is None or last is None:
-            raise RuntimeError("a stream ended without content or usage")
-        num_tokens = usage["completion_tokens"]
-        return {
-            "ttft_s": first - start,
-            "tpot_s": (last - first) / (num_tokens - 1) if num_tokens > 1 else None,
-            "completion_tokens": num_tokens,
-            "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-        }
+def _level_row(timings: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """One level's row: {"concurrency": c, variant: its numbers} from the requests' timings."""
+    c = timings["concurrency"]
+    row: dict[str, Any] = {"concurrency": c}
+    for variant in VARIANTS:
+        samples, elapsed = timings[variant]
+        row[variant] = _row(samples, elapsed, variant, c, max_tokens)
+    return row
 
 
 def percentile(values: Sequence[float | None], q: float) -> float | None:
@@ -353,7 +192,7 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _row(samples: list[dict[str, Any]], elapsed: float, variant: str, concurrency: int,
+def _row(samples: list[Sample], elapsed: float, variant: str, concurrency: int,
          max_tokens: int) -> dict[str, Any]:
     ttft = [s["ttft_s"] for s in samples]
     tpot = [s["tpot_s"] for s in samples]
@@ -374,8 +213,8 @@ def _row(samples: list[dict[str, Any]], elapsed: float, variant: str, concurrenc
         f"serve: {concurrency} client{'s' if concurrency > 1 else ''}, {VARIANTS[variant]}"
         f" | {len(samples)} requests, {fmt(row['requests_per_s'], 2)} req/s, "
         f"{fmt(row['output_tok_s'])} output tok/s"
-        f" | TTFT p50 {fmt_ms(row['ttft_p50_s'])}, p99 {fmt_ms(row['ttft_p99_s'])}"
-        f" | TPOT p50 {fmt_ms(row['tpot_p50_s'])}, p99 {fmt_ms(row['tpot_p99_s'])}"
+        f" | TTFT p50 {format_ms(row['ttft_p50_s'])}, p99 {format_ms(row['ttft_p99_s'])}"
+        f" | TPOT p50 {format_ms(row['tpot_p50_s'])}, p99 {format_ms(row['tpot_p99_s'])}"
         f" | cached {fmt(row['mean_cached_tokens'], 0)} of "
         f"{fmt(row['mean_prompt_tokens'], 0)} prompt tokens (mean)"
     )

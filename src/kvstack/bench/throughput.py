@@ -7,7 +7,7 @@ to transformers' batched `generate` (left-padded), greedy, a fixed number of new
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstack.bench.common import (
     BenchOptions,
@@ -25,8 +25,12 @@ from kvstack.bench.common import (
     save_figure,
 )
 from kvstack.bench.peers.hf import TransformersPeer
+from kvstack.engine.llm import LLM
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 CONCURRENCY = (1, 4, 16, 32, 64)
 QUICK_CONCURRENCY = (1, 2)
@@ -43,8 +47,29 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     longest = max(len(p) for p in prompts) + new_tokens
     subject.require_context(longest, "the throughput benchmark")
     peer_max = options.peer_max_batch if options.peer_max_batch is not None else max(levels)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
 
+    rows = _measure(subject, options, prompts, levels, new_tokens, peer_max)
+    plot = _plot(options, rows, prompt_len, new_tokens)
+    return CaseResult(
+        case="throughput",
+        summary=_summary(rows, levels, prompt_len, new_tokens),
+        config={"model": options.model, "quick": options.quick, "concurrency": list(levels),
+                "prompt_tokens": prompt_len, "prompt_tokens_range": [min(map(len, prompts)),
+                                                                     max(map(len, prompts))],
+                "new_tokens": new_tokens, "greedy": True, "ignore_eos": True,
+                "peer_max_batch": peer_max, "weights": subject.weight_format,
+                "transformers_dtype": "float32"},
+        results={"levels": rows},
+        plots=[plot],
+        table=_table(rows, prompt_len, new_tokens),
+    )
+
+
+def _measure(subject: Subject, options: BenchOptions, prompts: list[list[int]],
+             levels: tuple[int, ...], new_tokens: int, peer_max: int) -> list[dict[str, Any]]:
+    """One row per concurrency level: ours, and transformers up to `peer_max` requests."""
+    longest = max(len(p) for p in prompts) + new_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm = subject.llm(max_num_seqs=max(levels),
                       kv_cache_memory=subject.kv_shape().bytes_for(longest + 16, max(levels)))
     warmup = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -55,54 +80,52 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     rows: list[dict[str, Any]] = []
     with progress(options, len(levels) * 2, "throughput") as bar:
         for c in levels:
-            batch = prompts[:c]
-            # Prompts repeat across levels: start each level with nothing cached.
-            llm.reset_prefix_cache()
-            start = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
-            elapsed = time.perf_counter() - start
-            bar.update(1)
-            row = {"concurrency": c, "ours": _ours_row(outs, elapsed, new_tokens)}
-            if peer is not None and c <= peer_max:
-                row["transformers"] = _peer_row(peer, batch, new_tokens)
-                ours_ids = [o.outputs[0].token_ids for o in outs]
-                peer_ids = row["transformers"].pop("token_ids")
-                row["identical_outputs"] = sum(a == b for a, b in zip(ours_ids, peer_ids,
-                                                                      strict=True))
-            row["ours_over_transformers"] = ratio(row["ours"]["output_tok_s"],
-                                                  row.get("transformers", {}).get("output_tok_s"))
-            bar.update(1)
-            rows.append(row)
-    del llm
+            peer_at_c = peer if peer is not None and c <= peer_max else None
+            rows.append(_level(llm, peer_at_c, prompts[:c], params, new_tokens, bar))
+    return rows
 
-    plot = _plot(options, rows, prompt_len, new_tokens)
+
+def _level(llm: LLM, peer: TransformersPeer | None, batch: list[list[int]],
+           params: SamplingParams, new_tokens: int, bar: tqdm) -> dict[str, Any]:
+    """One concurrency level: the whole batch at once on ours, then on the peer if given."""
+    # Prompts repeat across levels: start each level with nothing cached.
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+    elapsed = time.perf_counter() - start
+    bar.update(1)
+    row = {"concurrency": len(batch), "ours": _ours_row(outs, elapsed, new_tokens)}
+    if peer is not None:
+        row["transformers"] = _peer_row(peer, batch, new_tokens)
+        ours_ids = [o.outputs[0].token_ids for o in outs]
+        peer_ids = row["transformers"].pop("token_ids")
+        row["identical_outputs"] = sum(a == b for a, b in zip(ours_ids, peer_ids, strict=True))
+    row["ours_over_transformers"] = ratio(row["ours"]["output_tok_s"],
+                                          row.get("transformers", {}).get("output_tok_s"))
+    bar.update(1)
+    return row
+
+
+def _summary(rows: list[dict[str, Any]], levels: tuple[int, ...], prompt_len: int,
+             new_tokens: int) -> str:
     ours_txt = "/".join(fmt(r["ours"]["output_tok_s"], 0) for r in rows)
     peer_txt = "/".join(fmt(r.get("transformers", {}).get("output_tok_s"), 0) for r in rows)
     ratio_txt = "/".join(fmt_x(r["ours_over_transformers"]) for r in rows)
-    summary = (
+    return (
         f"throughput: output tok/s at concurrency {'/'.join(str(c) for c in levels)} "
         f"(~{prompt_len}-token prompts, {new_tokens} new tokens)"
         f" | ours {ours_txt} | transformers {peer_txt} | ours/theirs {ratio_txt}"
         f" | median ratio {fmt_x(median([r['ours_over_transformers'] for r in rows]))}"
     )
-    return CaseResult(
-        case="throughput",
-        summary=summary,
-        config={"model": options.model, "quick": options.quick, "concurrency": list(levels),
-                "prompt_tokens": prompt_len, "prompt_tokens_range": [min(map(len, prompts)),
-                                                                     max(map(len, prompts))],
-                "new_tokens": new_tokens, "greedy": True, "ignore_eos": True,
-                "peer_max_batch": peer_max, "weights": subject.weight_format,
-                "transformers_dtype": "float32"},
-        results={"levels": rows},
-        plots=[plot],
-        table=[TableRow(f"output tok/s, {r['concurrency']} concurrent ~{prompt_len}-token "
-                        f"prompts, {new_tokens} new tokens", fmt(r["ours"]["output_tok_s"]),
-                        "transformers " + fmt(r["transformers"]["output_tok_s"])
-                        if "transformers" in r else "not run",
-                        fmt_x(r["ours_over_transformers"]))
-               for r in rows],
-    )
+
+
+def _table(rows: list[dict[str, Any]], prompt_len: int, new_tokens: int) -> list[TableRow]:
+    return [TableRow(f"output tok/s, {r['concurrency']} concurrent ~{prompt_len}-token "
+                     f"prompts, {new_tokens} new tokens", fmt(r["ours"]["output_tok_s"]),
+                     "transformers " + fmt(r["transformers"]["output_tok_s"])
+                     if "transformers" in r else "not run",
+                     fmt_x(r["ours_over_transformers"]))
+            for r in rows]
 
 
 def _ours_row(outs: list[RequestOutput], elapsed: float, new_tokens: int) -> dict[str, Any]:

@@ -30,19 +30,21 @@ from kvstack.bench.common import (
     Subject,
     TableRow,
     fmt,
-    fmt_ms,
     fmt_x,
     log_scale_y,
     new_figure,
     progress,
     ratio,
     save_figure,
-    topic_texts,
 )
+from kvstack.bench.prefix import document
 from kvstack.engine.llm import LLM
 from kvstack.sampling_params import SamplingParams
+from kvstack.units import format_ms
 
 QUESTION = "\n\nQ: What is this about?\nA:"
+
+Row = dict[str, Any]  # one measured request: TTFT, cached tokens, tier load numbers
 
 
 def sizes(quick: bool) -> tuple[int, int]:
@@ -52,15 +54,36 @@ def sizes(quick: bool) -> tuple[int, int]:
 
 def run(subject: Subject, options: BenchOptions) -> CaseResult:
     doc_len, new_tokens = sizes(options.quick)
-    doc: list[int] = []
-    for text in topic_texts():
-        doc += subject.encode(text)
-        if len(doc) >= doc_len:
-            break
-    doc = doc[:doc_len]
+    doc = document(subject, doc_len)
     prompt = doc + subject.encode(QUESTION)
     subject.require_context(len(prompt) + new_tokens, "the tiers benchmark")
-    spec: dict[str, Any] = {
+    spec = _spec(subject, options, prompt, new_tokens)
+
+    cold, disk, redis = _measure_tiers(subject, options, spec)
+    rows = {"cold": cold, "disk": disk, "redis": redis}
+    for row in (disk, redis):
+        if row is not None:
+            row["speedup"] = ratio(cold["ttft_s"], row["ttft_s"])
+            row["equals_cold"] = row["token_ids"] == cold["token_ids"]
+    plot = _plot(options, rows, len(doc))
+    return CaseResult(
+        case="tiers",
+        summary=_summary(len(doc), len(prompt), cold, disk, redis),
+        config={"model": options.model, "quick": options.quick, "document_tokens": len(doc),
+                "prompt_tokens": len(prompt), "question": QUESTION, "new_tokens": new_tokens,
+                "document_source": "pydoc_data.topics", "greedy": True,
+                "weights": subject.weight_format,
+                "redis": "redis-server on loopback" if redis is not None else None},
+        results={name: _public(row) for name, row in rows.items()},
+        plots=[plot],
+        table=[_table_row(len(doc), cold, disk, redis)],
+    )
+
+
+def _spec(subject: Subject, options: BenchOptions, prompt: list[int],
+          new_tokens: int) -> dict[str, Any]:
+    """What every process needs to build the engine and measure: JSON, for the probes."""
+    return {
         "model": options.model,
         "threads": options.threads,
         "skip_tokenizer_init": subject.tokenizer is None,
@@ -72,18 +95,15 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         "warmup": prompt[-8:],
         "max_tokens": new_tokens,
     }
+
+
+def _measure_tiers(subject: Subject, options: BenchOptions,
+                   spec: dict[str, Any]) -> tuple[Row, Row, Row | None]:
+    """(cold here, disk hit in a fresh process, Redis hit in another: None without Redis)."""
     with tempfile.TemporaryDirectory(prefix="kvstack-bench-tiers-") as tmp, \
             _redis_server(Path(tmp)) as redis_url, progress(options, 3, "tiers") as bar:
         disk_dir = str(Path(tmp) / "kv")
-        llm = subject.llm(**spec["engine"], kv_disk_dir=disk_dir, kv_redis_url=redis_url)
-        cold = _measure(llm, spec, None)
-        start = time.perf_counter()
-        llm.close()  # wait for the write-through to land
-        cold["flush_s"] = time.perf_counter() - start
-        written = llm.tier_stats()
-        cold["stored"] = {name: {"blocks": s.stores, "bytes": s.bytes_stored,
-                                 "faults": s.faults} for name, s in written.items()}
-        del llm
+        cold = _cold(subject, spec, disk_dir, redis_url)
         bar.update(1)
         disk = _in_fresh_process(spec | {"tiers": {"kv_disk_dir": disk_dir}, "tier": "disk"})
         bar.update(1)
@@ -92,44 +112,47 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
             redis = _in_fresh_process(spec | {"tiers": {"kv_redis_url": redis_url},
                                               "tier": "redis"})
         bar.update(1)
+    return cold, disk, redis
 
-    rows = {"cold": cold, "disk": disk, "redis": redis}
-    for name in ("disk", "redis"):
-        row = rows[name]
-        if row is not None:
-            row["speedup"] = ratio(cold["ttft_s"], row["ttft_s"])
-            row["equals_cold"] = row["token_ids"] == cold["token_ids"]
-    plot = _plot(options, rows, len(doc))
+
+def _cold(subject: Subject, spec: dict[str, Any], disk_dir: str,
+          redis_url: str | None) -> Row:
+    """The cold request in this process, writing its blocks through to both tiers."""
+    llm = subject.llm(**spec["engine"], kv_disk_dir=disk_dir, kv_redis_url=redis_url)
+    cold = _measure(llm, spec, None)
+    start = time.perf_counter()
+    llm.close()  # wait for the write-through to land
+    cold["flush_s"] = time.perf_counter() - start
+    written = llm.tier_stats()
+    cold["stored"] = {name: {"blocks": s.stores, "bytes": s.bytes_stored,
+                             "faults": s.faults} for name, s in written.items()}
+    return cold
+
+
+def _summary(doc_len: int, prompt_len: int, cold: Row, disk: Row, redis: Row | None) -> str:
     hits = [r for r in (disk, redis) if r is not None]
     redis_text = ("redis n/a (redis-server not installed)" if redis is None else
-                  f"redis hit (second process) {fmt_ms(redis['ttft_s'])} "
+                  f"redis hit (second process) {format_ms(redis['ttft_s'])} "
                   f"({fmt_x(redis['speedup'])}, {redis['num_cached_tokens']} tokens cached, "
                   f"load {fmt(redis['load_mb_per_s'], 0)} MB/s)")
-    summary = (
-        f"tiers: {len(doc)}-token document + question ({len(prompt)} tokens), TTFT"
-        f" | cold {fmt_ms(cold['ttft_s'])}"
-        f" | disk hit (fresh process) {fmt_ms(disk['ttft_s'])} ({fmt_x(disk['speedup'])}, "
+    return (
+        f"tiers: {doc_len}-token document + question ({prompt_len} tokens), TTFT"
+        f" | cold {format_ms(cold['ttft_s'])}"
+        f" | disk hit (fresh process) {format_ms(disk['ttft_s'])} ({fmt_x(disk['speedup'])}, "
         f"{disk['num_cached_tokens']} tokens cached, load {fmt(disk['load_mb_per_s'], 0)} MB/s)"
         f" | {redis_text}"
         f" | outputs equal cold: {sum(r['equals_cold'] for r in hits)}/{len(hits)}"
     )
-    return CaseResult(
-        case="tiers",
-        summary=summary,
-        config={"model": options.model, "quick": options.quick, "document_tokens": len(doc),
-                "prompt_tokens": len(prompt), "question": QUESTION, "new_tokens": new_tokens,
-                "document_source": "pydoc_data.topics", "greedy": True,
-                "weights": subject.weight_format,
-                "redis": "redis-server on loopback" if redis_url else None},
-        results={name: _public(row) for name, row in rows.items()},
-        plots=[plot],
-        table=[TableRow(
-            f"TTFT, {len(doc)}-token document + question: cold / disk hit / Redis hit "
-            "(fresh processes)",
-            " / ".join([fmt_ms(cold["ttft_s"]), fmt_ms(disk["ttft_s"]),
-                        "n/a" if redis is None else fmt_ms(redis["ttft_s"])]),
-            speedup=" / ".join(fmt_x(r["speedup"]) for r in hits) + " vs cold",
-        )],
+
+
+def _table_row(doc_len: int, cold: Row, disk: Row, redis: Row | None) -> TableRow:
+    hits = [r for r in (disk, redis) if r is not None]
+    return TableRow(
+        f"TTFT, {doc_len}-token document + question: cold / disk hit / Redis hit "
+        "(fresh processes)",
+        " / ".join([format_ms(cold["ttft_s"]), format_ms(disk["ttft_s"]),
+                    "n/a" if redis is None else format_ms(redis["ttft_s"])]),
+        speedup=" / ".join(fmt_x(r["speedup"]) for r in hits) + " vs cold",
     )
 
 

@@ -8,72 +8,28 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from kvstack.config import parse_size
-from kvstack.engine.llm import LLM, PromptType
-from kvstack.errors import InvalidRequestError, KvstackError
-from kvstack.kv.dtypes import KV_CACHE_DTYPES
-from kvstack.outputs import RequestMetrics, RequestOutput
+from kvstack.argtypes import (
+    DEFAULT_MODEL,
+    byte_size,
+    name_list,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+from kvstack.config import KV_CACHE_DTYPES
+from kvstack.errors import InvalidRequestError
+from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 
-DEFAULT_MODEL = "smollm2-135m"
+if TYPE_CHECKING:
+    from kvstack.engine.llm import LLM, PromptType
 
+__all__ = ["DEFAULT_MODEL", "add_model_args", "add_sampling_args", "add_tier_args",
+           "byte_size", "load_llm", "name_list", "non_negative_int", "positive_float",
+           "positive_int", "read_prompt", "sampling_params", "stream_text", "tier_kwargs"]
 
-# -- argument types: a bad value becomes an argparse usage error (one line, exit 2) ----------
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def name_list(choices: Sequence[str], noun: str) -> Callable[[str], list[str]]:
-    """An argparse type for a comma-separated list of names, each one of `choices`."""
-
-    def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        unknown = [n for n in names if n not in choices]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {noun} {', '.join(unknown) or text!r}; choose from {', '.join(choices)}"
-            )
-        return names
-
-    return parse
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def byte_size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except KvstackError as err:
-        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 # -- the model and the KV cache --------------------------------------------------------------
@@ -141,6 +97,8 @@ def tier_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
     """An `LLM` built from the model flags; `overrides` replace individual keyword arguments."""
+    from kvstack.engine.llm import LLM
+
     kwargs: dict[str, Any] = {
         "model": args.model,
         "dtype": args.dtype,
@@ -237,20 +195,3 @@ def stream_text(
     if final is None:
         raise AssertionError("the engine finished a request without any output")
     return final
-
-
-def ms(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
-
-
-def decode_rate(metrics: RequestMetrics, num_tokens: int) -> float | None:
-    """Tokens per second after the first token (the first one is prefill, counted in TTFT)."""
-    if num_tokens < 2 or metrics.first_token_time is None or metrics.last_token_time is None:
-        return None
-    elapsed = metrics.last_token_time - metrics.first_token_time
-    return (num_tokens - 1) / elapsed if elapsed > 0 else None
-
-
-def total_time(metrics: RequestMetrics) -> float | None:
-    end = metrics.finished_time or metrics.last_token_time
-    return None if end is None else end - metrics.arrival_time

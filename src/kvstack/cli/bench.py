@@ -7,7 +7,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from kvstack.cli.args import DEFAULT_MODEL, positive_int
+from kvstack.argtypes import DEFAULT_MODEL, positive_int
 
 # name -> help; `all` runs them in this order. Each lives in kvstack.bench.<name> as
 # `run(subject, options) -> CaseResult`, imported only when run (transformers loads slowly).

@@ -17,10 +17,10 @@ from typing import Any
 
 from kvstack.cli.args import add_model_args, load_llm
 from kvstack.errors import InvalidRequestError
-from kvstack.kv.sizing import format_bytes
 from kvstack.kv.tiers.codec import HEADER, BlockFault, parse_header
 from kvstack.kv.tiers.disk import SUFFIX, DiskTier, block_files
 from kvstack.kv.tiers.redis_tier import connect, scan_blocks
+from kvstack.units import format_bytes
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstack.cli.args import (
     add_model_args,
     add_sampling_args,
     load_llm,
-    ms,
     sampling_params,
     stream_text,
 )
-from kvstack.engine.llm import Message
+from kvstack.units import format_ms
+
+if TYPE_CHECKING:
+    from kvstack.engine.llm import Message
 
 _EXIT_COMMANDS = ("/exit", "/quit")
 
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"[turn {turn}: {num_prompt} prompt tokens, {num_cached} cached, "
             f"{num_prompt - num_cached} new, {len(out.outputs[0].token_ids)} generated, "
-            f"TTFT {ms(out.metrics.ttft)}]",
+            f"TTFT {format_ms(out.metrics.ttft)}]",
             file=sys.stderr,
         )
     return 0

@@ -6,21 +6,21 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstack.cli.args import (
     add_model_args,
-    decode_rate,
     load_llm,
-    ms,
     positive_int,
     stream_text,
-    total_time,
 )
-from kvstack.engine.llm import LLM
-from kvstack.kv.sizing import KVShape, format_bytes
+from kvstack.kv.sizing import KVShape
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
+from kvstack.units import format_bytes, format_ms
+
+if TYPE_CHECKING:
+    from kvstack.engine.llm import LLM
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 
@@ -67,10 +67,8 @@ def run(args: argparse.Namespace) -> int:
     # runs prefill the whole prompt and the comparison is the KV cache alone.
     llm.reset_prefix_cache()
     cached = _timed_run("KV cache", llm, prompt, timed)
-    cache = llm.engine.config.cache
-    shape = KVShape.of(llm.engine.model_config, llm.engine.kv_cache_dtype,
-                       block_size=cache.block_size, model_dtype=args.dtype,
-                       window=cache.kv_window, sink_tokens=cache.kv_sink_tokens)
+    shape = llm.info.kv_shape
+    assert shape is not None  # the demo's engine always has a KV cache
     del llm  # one model in memory at a time
 
     baseline = load_llm(args, use_kv_cache=False)
@@ -99,16 +97,16 @@ def _timed_run(label: str, llm: LLM, prompt: dict[str, list[int]],
 
 
 def _print_table(runs: list[_Run], shape: KVShape, block_size: int) -> None:
-    baseline = total_time(runs[-1].output.metrics)
+    baseline = runs[-1].output.metrics.total_time
     header = ("", "TTFT", "decode", "total", "speed-up", "KV held")
     rows = [header]
     for r in runs:
         m, n = r.output.metrics, len(r.output.outputs[0].token_ids)
-        rate, total = decode_rate(m, n), total_time(m)
+        rate, total = m.decode_rate(n), m.total_time
         speedup = baseline / total if baseline and total else None
         rows.append((
             r.label,
-            ms(m.ttft),
+            format_ms(m.ttft),
             "n/a" if rate is None else f"{rate:.1f} tok/s",
             "n/a" if total is None else f"{total:.2f} s",
             "n/a" if speedup is None else f"{speedup:.1f}x",

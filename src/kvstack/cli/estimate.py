@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvstack.cli.args import DEFAULT_MODEL, byte_size, non_negative_int, positive_int
+from kvstack.argtypes import DEFAULT_MODEL, byte_size, non_negative_int, positive_int
 from kvstack.config import CacheConfig
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.dtypes import KV_CACHE_DTYPES, resolve
-from kvstack.kv.sizing import KVShape, format_bytes
-from kvstack.weights import load_checkpoint
+from kvstack.kv.sizing import KVShape
+from kvstack.units import format_bytes
 
 _SHAPE_FLAGS = ("layers", "kv_heads", "head_dim")
 _SCALES = {
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[tuple[str, str]] = []
     num_heads = args.heads
     if args.model is not None:
-        config = load_checkpoint(args.model).config
+        config = _load_checkpoint(args.model).config
         shape = KVShape.of(config, kv_dtype, **options)
         seq_len = args.seq_len or config.max_model_len
         num_heads = config.num_heads
@@ -147,3 +147,9 @@ def _attention_kind(num_heads: int, num_kv_heads: int) -> str:
 
 def _bytes(n: float) -> str:
     return f"{format_bytes(n)} ({n:,.0f} B)"
+
+
+def _load_checkpoint(model: str) -> Any:
+    from kvstack.weights import load_checkpoint  # torch and the loaders: only when asked
+
+    return load_checkpoint(model)

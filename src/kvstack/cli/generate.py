@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstack.cli.args import (
     add_model_args,
     add_sampling_args,
-    decode_rate,
     load_llm,
-    ms,
     read_prompt,
     sampling_params,
     stream_text,
 )
-from kvstack.engine.llm import PromptType
+from kvstack.units import format_ms
+
+if TYPE_CHECKING:
+    from kvstack.engine.llm import PromptType
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -47,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
     out = stream_text(llm, prompt, params)
     completion = out.outputs[0]
     num_prompt = len(out.prompt_token_ids)
-    rate = decode_rate(out.metrics, len(completion.token_ids))
+    rate = out.metrics.decode_rate(len(completion.token_ids))
     print(
         f"[{num_prompt} prompt tokens, {out.num_cached_tokens} cached, "
-        f"{len(completion.token_ids)} new tokens, TTFT {ms(out.metrics.ttft)}, "
+        f"{len(completion.token_ids)} new tokens, TTFT {format_ms(out.metrics.ttft)}, "
         f"decode {'n/a' if rate is None else f'{rate:.1f} tok/s'}, "
         f"finish {completion.finish_reason}]",
         file=sys.stderr,

@@ -8,9 +8,9 @@ import sys
 from types import ModuleType
 from typing import Any, NoReturn
 
-import kvstack
 from kvstack.cli import bench, cache, chat, demo, estimate, evaluate, generate, serve
 from kvstack.errors import KvstackError
+from kvstack.version import __version__
 
 # Each module contributes `add_parser(subparsers)` (which sets `run` as a default) and
 # `run(args) -> int`; a new subcommand is one more entry here.
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvstack",
         description="An LLM inference engine built around KV-cache reuse.",
     )
-    parser.add_argument("--version", action="version", version=f"kvstack {kvstack.__version__}")
+    parser.add_argument("--version", action="version", version=f"kvstack {__version__}")
     # Subparsers are built with the parent's class, so they raise UsageError too.
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for command in COMMANDS:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from kvstack.engine.core import LLMEngine
+from kvstack.engine.info import ModelInfo
 from kvstack.engine.stats import EngineStats
 from kvstack.errors import KvstackError
 from kvstack.outputs import RequestOutput
@@ -118,14 +119,15 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        sampling_params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request (validation errors raise here) and stream its outputs."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._add, prompt, params, request_id, cache_salt, loop, queue)
+        await asyncio.to_thread(self._add, prompt, sampling_params, request_id, cache_salt, loop,
+                                queue)
         finished = False
         try:
             while not finished:
@@ -141,7 +143,7 @@ class AsyncLLM:
     def _add(
         self,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        sampling_params: SamplingParams,
         request_id: str,
         cache_salt: str | None,
         loop: asyncio.AbstractEventLoop,
@@ -154,7 +156,7 @@ class AsyncLLM:
                 raise QueueFullError(
                     f"{self.max_waiting} requests are already waiting; retry later"
                 )
-            self.engine.add_request(prompt, params, request_id=request_id,
+            self.engine.add_request(prompt, sampling_params, request_id=request_id,
                                     cache_salt=cache_salt)
             self._streams[request_id] = (loop, queue)
         self._wake.set()
@@ -179,6 +181,16 @@ class AsyncLLM:
     ) -> tuple[int, int]:
         with self._lock:
             return self.engine.pin_prefix(token_ids, cache_salt, ttl_s)
+
+    @property
+    def info(self) -> ModelInfo:
+        """The model this engine serves (a frozen value: no lock needed)."""
+        return self.engine.info
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (transformers'), or None for a token-ids-only engine."""
+        return self.engine.tokenizer
 
     @property
     def errored(self) -> bool:

@@ -1,9 +1,12 @@
-"""Chat messages -> prompt token ids through the model's chat template."""
+"""Chat messages -> prompt token ids through the model's chat template: the one place every
+front end (offline `LLM.chat`, the HTTP APIs, benchmarks) renders a conversation."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import jinja2
 
 from kvstack.errors import InvalidRequestError
 
@@ -17,11 +20,17 @@ def chat_token_ids(
     continue_final_message: bool = False,
 ) -> list[int]:
     """Render `messages` with the chat template; `continue_final_message` leaves the last
-    (assistant) message open so the model continues it."""
+    (assistant) message open so the model continues it. Bad messages and templates that refuse
+    them (a jinja `raise_exception`) are `InvalidRequestError`s."""
     if not messages:
         raise InvalidRequestError("messages is empty; give at least one message")
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidRequestError("this model has no chat template; use /v1/completions")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise InvalidRequestError("each message needs a 'role' and a 'content'")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            "this model has no chat template; send a plain prompt instead of messages"
+        )
     try:
         ids = tokenizer.apply_chat_template(
             list(messages),
@@ -29,16 +38,8 @@ def chat_token_ids(
             continue_final_message=continue_final_message,
             tokenize=True,
         )
-    except (ValueError, TypeError, KeyError) as err:  # the template refused the conversation
+    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as err:
         raise InvalidRequestError(f"the chat template cannot render these messages: {err}") \
             from err
     # transformers >= 5 returns a BatchEncoding here; older versions a plain list.
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -7,16 +7,18 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
-from kvstack.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from kvstack.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvstack.engine.chat import Message, chat_token_ids
 from kvstack.engine.core import LLMEngine
+from kvstack.engine.info import ModelInfo
 from kvstack.engine.stats import EngineStats
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.tiers.base import TierStats
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
+from kvstack.units import parse_size
 
 PromptType = str | dict[str, Any]
-Message = dict[str, str]
 
 
 class LLM:
@@ -92,6 +94,11 @@ class LLM:
     def model_config(self) -> ModelConfig:
         return self.engine.model_config
 
+    @property
+    def info(self) -> ModelInfo:
+        """The model as this engine runs it: name, fingerprint, formats, KV layout, sizes."""
+        return self.engine.info
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
@@ -159,24 +166,7 @@ class LLM:
     def apply_chat_template(
         self, messages: Sequence[Message], add_generation_prompt: bool = True
     ) -> list[int]:
-        if not messages:
-            raise InvalidRequestError("messages is empty; give at least one message")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise InvalidRequestError("each message needs a 'role' and a 'content'")
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequestError(
-                "this model has no chat template; send a plain prompt instead of messages"
-            )
-        try:
-            ids = tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, tokenize=True
-            )
-        except Exception as err:  # template errors (jinja raise_exception) are user input errors
-            raise InvalidRequestError(f"chat template rejected the messages: {err}") from err
-        # transformers >= 5 returns a BatchEncoding here; older versions a plain list.
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return chat_token_ids(self.engine.tokenizer, messages, add_generation_prompt)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

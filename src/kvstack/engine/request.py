@@ -7,9 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvstack.engine.detokenizer import IncrementalDetokenizer
-from kvstack.kv.block_hash import BlockHash
-from kvstack.kv.block_pool import KVBlock
-from kvstack.layers.sampler import SamplingState, make_generator
+from kvstack.layers.sampler import SamplingState
 from kvstack.outputs import RequestMetrics
 from kvstack.sampling_params import SamplingParams
 
@@ -26,7 +24,7 @@ class Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    sampling_params: SamplingParams
     max_tokens: int  # resolved: never past the model's context
     detokenizer: IncrementalDetokenizer
     cache_salt: str | None = None
@@ -34,31 +32,34 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V sit in this request's blocks
+    # Tokens whose K/V sit in this request's blocks (the KV manager holds its block table);
+    # advanced only by the scheduler.
+    num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
-    blocks: list[KVBlock] = field(default_factory=list)
-    num_evicted_blocks: int = 0  # window mode: blocks freed between the sinks and `blocks`' rest
-    block_hashes: list[BlockHash] = field(default_factory=list)
     num_preemptions: int = 0
     resumed_at_step: int = -1
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""  # output text, stop strings already cut
-    num_emitted_chars: int = 0  # how much of `text` a stream has handed out
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
-    sampling: SamplingState = field(init=False)
+    sampling_state: SamplingState = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sampling = SamplingState(
-            params=self.params,
+        # The state shares `output_token_ids`: appending a token here is the sampler's view too.
+        self.sampling_state = SamplingState(
+            sampling_params=self.sampling_params,
             prompt_token_ids=self.prompt_token_ids,
             output_token_ids=self.output_token_ids,
-            generator=make_generator(self.params.seed),
         )
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """True when every prompt position must be computed, to score it (prompt logprobs)."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:

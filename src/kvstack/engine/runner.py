@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstack.engine.request import Request
-from kvstack.engine.scheduler import SchedulerOutput
+from kvstack.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.kv.window import SlidingWindow
 from kvstack.layers.attention import AttentionMetadata, PrefillSpan
@@ -19,6 +18,7 @@ from kvstack.layers.window_attention import (
     build_span,
     key_positions,
 )
+from kvstack.models import CausalLM
 
 
 @dataclass
@@ -33,29 +33,29 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: object, kv: KVCacheStorage | None, sampler: Sampler,
+    def __init__(self, model: CausalLM, kv_storage: KVCacheStorage | None, sampler: Sampler,
                  window: SlidingWindow | None = None) -> None:
         self.model = model
-        self.kv = kv
+        self.kv_storage = kv_storage
         self.sampler = sampler
-        self.block_size = kv.block_size if kv is not None else 0
+        self.block_size = kv_storage.block_size if kv_storage is not None else 0
         # A lossy cache is read back even by a prefill without a cached prefix (see attention).
-        self.read_back = kv is not None and kv.lossy
+        self.read_back = kv_storage is not None and kv_storage.lossy
         self.window = window
-        self.window_rope = (WindowRoPE(model.config, model.dtype)  # type: ignore[attr-defined]
+        self.window_rope = (WindowRoPE(model.config, model.dtype)
                             if window is not None else None)
 
     def run(self, batch: SchedulerOutput) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(batch)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_storage)
         samplers = [s for s in batch.scheduled if s.samples]
         result = StepResult([None] * len(batch.scheduled), [None] * len(batch.scheduled))
-        if any(s.request.params.prompt_logprobs is not None for s in batch.scheduled):
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in batch.scheduled):
             result.prompt_logprobs = self._prompt_logprobs(batch, hidden, input_ids)
         if not samplers:
             return result
         logits = self.model.compute_logits(hidden[sample_rows])
-        tokens, logprobs = self.sampler(logits, [s.request.sampling for s in samplers])
+        tokens, logprobs = self.sampler(logits, [s.request.sampling_state for s in samplers])
         j = 0
         for i, s in enumerate(batch.scheduled):
             if s.samples:
@@ -75,7 +75,7 @@ class ModelRunner:
             start = r.num_computed_tokens
             # Positions start .. stop-1 have a prompt successor.
             stop = min(start + s.num_new_tokens, r.num_prompt_tokens - 1)
-            if r.params.prompt_logprobs is None or stop <= start:
+            if r.sampling_params.prompt_logprobs is None or stop <= start:
                 out.append(None)
             else:
                 logits = self.model.compute_logits(hidden[row : row + stop - start])
@@ -110,9 +110,8 @@ class ModelRunner:
             row = len(ids)
             ids.extend(r.tokens_between(start, end))
             pos.extend(range(start, end))
-            if self.kv is not None:
-                block_ids = [b.block_id for b in r.blocks]
-                seq_slots = self._slots(block_ids, 0, end)
+            if self.kv_storage is not None:
+                seq_slots = self._slots(s.block_ids, 0, end)
                 slot_parts.append(seq_slots[start:end])
                 if end - start == 1 and start > 0:
                     decode_rows.append(row)
@@ -165,7 +164,7 @@ class ModelRunner:
             row = len(ids)
             ids.extend(r.tokens_between(start, end))
             keys = key_positions(self.window, start, end)  # the new tokens are the last keys
-            slots = self._window_slots(r, keys)
+            slots = self._window_slots(s, keys)
             slot_parts.append(slots[len(keys) - (end - start):])
             part = SpanRequest(list(range(row, row + end - start)), start, keys, slots)
             if end - start == 1:
@@ -187,12 +186,12 @@ class ModelRunner:
             torch.tensor(sample_rows, dtype=torch.int64),
         )
 
-    def _window_slots(self, request: Request, positions: torch.Tensor) -> torch.Tensor:
+    def _window_slots(self, s: ScheduledRequest, positions: torch.Tensor) -> torch.Tensor:
         """Slots of live positions of a window-mode request (sinks, then its live blocks)."""
         assert self.window is not None
         bs = self.block_size
         logical = positions // bs
         index = torch.where(logical < self.window.num_sink_blocks, logical,
-                            logical - request.num_evicted_blocks)
-        block_ids = torch.tensor([b.block_id for b in request.blocks], dtype=torch.int64)
+                            logical - s.num_dropped_blocks)
+        block_ids = torch.tensor(s.block_ids, dtype=torch.int64)
         return block_ids[index] * bs + positions % bs

@@ -21,6 +21,8 @@ from kvstack.kv.manager import KVCacheManager
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    block_ids: list[int] = field(default_factory=list)  # its block table as this step runs
+    num_dropped_blocks: int = 0  # window mode: logical blocks freed between sinks and the rest
 
     @property
     def samples(self) -> bool:
@@ -40,17 +42,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Continuous batching with chunked prefill. `kv=None` is the no-KV-cache baseline."""
+    """Continuous batching with chunked prefill. `kv_manager=None` is the no-KV-cache
+    baseline. The scheduler alone advances a request's `num_computed_tokens`."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager | None) -> None:
         self.config = config
-        self.kv = kv
+        self.kv_manager = kv_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.step_index = 0
         self.num_preemptions = 0
         # Window mode bounds a request's chunk, and so the blocks it holds at once.
-        window = kv.window if kv is not None else None
+        window = kv_manager.window if kv_manager is not None else None
         self.max_chunk = window.max_chunk if window is not None else config.max_num_batched_tokens
 
     def add(self, request: Request) -> None:
@@ -61,7 +64,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.step_index += 1
-        if self.kv is None:
+        if self.kv_manager is None:
             return self._schedule_without_cache()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -74,15 +77,21 @@ class Scheduler:
                           self.max_chunk)
             if not self._allocate_or_preempt(request, num_new, out):
                 continue
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(self._plan(request, num_new))
             budget -= num_new
         if out.num_preempted == 0:
             self._admit_waiting(out, budget)
         return out
 
+    def _plan(self, request: Request, num_new: int) -> ScheduledRequest:
+        assert self.kv_manager is not None
+        request_id = request.request_id
+        return ScheduledRequest(request, num_new, self.kv_manager.block_ids(request_id),
+                                self.kv_manager.num_dropped_blocks(request_id))
+
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        assert self.kv is not None
-        while not self.kv.allocate(request, num_new):
+        assert self.kv_manager is not None
+        while not self.kv_manager.allocate(request, num_new):
             victim = self._pick_victim(exclude=request, out=out)
             if victim is None:
                 self._preempt(request, out)
@@ -99,8 +108,9 @@ class Scheduler:
         return pool[-1] if pool else None
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        assert self.kv is not None
-        self.kv.free(request)
+        assert self.kv_manager is not None
+        self.kv_manager.free(request.request_id, finished=False)
+        request.num_computed_tokens = 0
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -109,22 +119,24 @@ class Scheduler:
         out.num_preempted += 1
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        assert self.kv is not None
+        kv = self.kv_manager
+        assert kv is not None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hit = self.kv.match_prefix(request)
+            hit = kv.match_prefix(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget, self.max_chunk)
-            if not self.kv.allocate(request, num_new, hit):
+            if not kv.allocate(request, num_new, hit):
                 break
             self.waiting.popleft()
+            request.num_computed_tokens += hit.num_tokens
             if request.status is RequestStatus.PREEMPTED:
                 request.resumed_at_step = self.step_index
             else:
                 request.num_cached_tokens = hit.num_tokens
-                self.kv.record_query(request, hit)
+                kv.record_query(request, hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(self._plan(request, num_new))
             budget -= num_new
 
     def _schedule_without_cache(self) -> SchedulerOutput:
@@ -145,9 +157,9 @@ class Scheduler:
         the blocks that slid out of the window."""
         for s in output.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-            if self.kv is not None:
-                self.kv.cache_computed_blocks(s.request)
-                self.kv.slide_window(s.request)
+            if self.kv_manager is not None:
+                self.kv_manager.cache_computed_blocks(s.request)
+                self.kv_manager.slide_window(s.request)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (done or aborted) and release its blocks at once."""
@@ -157,7 +169,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if self.kv is not None:
-            self.kv.free(request)
+        if self.kv_manager is not None:
+            self.kv_manager.free(request.request_id)
+        request.num_computed_tokens = 0
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -11,18 +11,19 @@ from kvstack.kv.tiers.base import TierStats
 class EngineStats:
     num_requests_running: int
     num_requests_waiting: int
-    block_size: int
-    num_blocks_total: int
-    num_blocks_free: int  # allocatable now, cached-but-unused blocks included
-    num_blocks_cached: int  # free blocks still holding a reusable prefix
-    num_blocks_used: int  # held by running requests
     kv_cache_bytes: int  # bytes of K/V storage allocated
-    prefix_cache_query_tokens: int
-    prefix_cache_hit_tokens: int
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    # The KV manager's `KVUsage`, field for field (zero without a KV cache):
+    block_size: int = 0
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0  # allocatable now, cached-but-unused blocks included
+    num_blocks_cached: int = 0  # free blocks still holding a reusable prefix
+    num_blocks_used: int = 0  # held by running requests and pins
     num_blocks_pinned: int = 0  # held by prompt-cache pins (counted in num_blocks_used)
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
     tier_hit_tokens: int = 0  # of prefix_cache_hit_tokens, loaded from disk or Redis tiers
     tiers: tuple[TierStats, ...] = ()  # per tier below the memory pool: hits, faults, bytes
 

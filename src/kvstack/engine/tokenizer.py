@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
+import operator
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from kvstack.errors import ModelLoadError
+from kvstack.errors import InvalidRequestError, ModelLoadError, one_line
 from kvstack.paths import cache_root
-from kvstack.weights.checkpoint import Checkpoint, one_line
+from kvstack.weights.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -64,3 +66,26 @@ def _store(tokenizer: PreTrainedTokenizerBase, cached: Path) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_token_ids(token_ids: Sequence[object], vocab_size: int) -> list[int]:
+    """Prompt token ids as plain ints, each in [0, vocab_size): the one bound every entry point
+    (offline, HTTP) applies. numpy and torch integers count as ids."""
+    ids = [_as_index(t) for t in token_ids]
+    if not ids:
+        raise InvalidRequestError("prompt_token_ids is empty; give at least one token")
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"prompt token id {bad[0]!r} is not in the vocabulary [0, {vocab_size}); "
+            "give integer ids from this model's tokenizer"
+        )
+    return ids  # type: ignore[return-value]  # all ints: checked above
+
+
+def _as_index(value: object) -> object:
+    """numpy and torch integers as plain ints (they are valid ids); anything else unchanged."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return value

@@ -11,10 +11,10 @@ budget holds. One table is printed; `--out` writes it as JSON.
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from kvstack.cli.args import name_list, non_negative_int, positive_int
+from kvstack.argtypes import name_list, non_negative_int, positive_int
 from kvstack.eval.quality import AgainstReference, Scores, add_eval_args, write_eval_json
 
 SETTINGS = ("float32", "bfloat16", "int8", "fp8", "int4", "window", "window-int8",
@@ -70,7 +70,6 @@ def setting_kwargs(name: str, kv_window: int, sinks: int) -> dict[str, Any]:
 
 def evaluate(args: argparse.Namespace) -> list[KVRow]:
     from kvstack.engine.llm import LLM
-    from kvstack.kv.sizing import KVShape
 
     scorer = AgainstReference(args.tokens, args.window, args.agreement_tokens)
     rows: list[KVRow] = []
@@ -80,11 +79,11 @@ def evaluate(args: argparse.Namespace) -> list[KVRow]:
                  max_num_batched_tokens=args.chunk, enable_prefix_caching=False,
                  **kwargs) as llm:
             scores = scorer.score(llm)
-            engine = llm.engine
-            shape = KVShape.of(engine.model_config, engine.kv_cache_dtype,
-                               block_size=engine.config.cache.block_size,
-                               model_dtype=engine.config.dtype)
-            rows.append(KVRow(name, engine.kv_cache_dtype, kwargs.get("kv_window"),
+            info = llm.info
+            # Bytes as the pool holds them while the window fills (the window's own bound
+            # is the row's kv_window).
+            shape = replace(info.kv_shape, window=None)
+            rows.append(KVRow(name, info.kv_cache_dtype, kwargs.get("kv_window"),
                               shape.bytes_per_token, shape.max_tokens_for_budget(GIB), scores))
     return rows
 

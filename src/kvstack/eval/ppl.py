@@ -12,7 +12,7 @@ import argparse
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvstack.cli.args import name_list
+from kvstack.argtypes import name_list
 from kvstack.eval.quality import AgainstReference, Scores, add_eval_args, write_eval_json
 
 # name -> LLM keyword arguments; the first is the reference the others are compared with.
@@ -57,7 +57,7 @@ def evaluate(args: argparse.Namespace) -> list[FormatRow]:
     for name in args.formats:
         with LLM(model=args.model, kv_cache_memory="512MiB", num_threads=args.threads,
                  **FORMATS[name]) as llm:
-            rows.append(FormatRow(name, llm.engine.model.num_weight_bytes, scorer.score(llm)))
+            rows.append(FormatRow(name, llm.info.num_weight_bytes, scorer.score(llm)))
     return rows
 
 

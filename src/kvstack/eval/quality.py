@@ -17,11 +17,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvstack.engine.llm import LLM
+from kvstack.argtypes import DEFAULT_MODEL, positive_int
 from kvstack.errors import InvalidRequestError
 from kvstack.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvstack.engine.llm import LLM
 
 # A fixed prompt set for greedy agreement: short chat questions of different kinds.
 AGREEMENT_PROMPTS: tuple[str, ...] = (
@@ -121,8 +124,6 @@ def greedy_agreement(reference: Sequence[Sequence[int]],
 
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
     """The flags of an evaluation that compares LLM settings on the held-out text."""
-    from kvstack.cli.args import DEFAULT_MODEL, positive_int
-
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="the embedded model's name, a .gguf file or a Hugging Face folder")
     parser.add_argument("--tokens", type=positive_int, default=4096, metavar="N",

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstack.cli.args import DEFAULT_MODEL, positive_int
+from kvstack.argtypes import DEFAULT_MODEL, positive_int
 from kvstack.errors import InvalidRequestError
 from kvstack.semantic.cache import DEFAULT_THRESHOLD, SemanticCache, SemanticCacheConfig, normalize
 from kvstack.semantic.embedder import Embedder

@@ -20,20 +20,14 @@ Every byte figure here is what the storage (`kv/storage.py`, `kv/quantized.py`) 
 
 from __future__ import annotations
 
+from kvstack.config import KV_CACHE_DTYPES, check_kv_cache_dtype
 from kvstack.errors import InvalidRequestError
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "int4")
+__all__ = ["KV_CACHE_DTYPES", "check_kv_cache_dtype", "layer_block_bytes", "resolve"]
+
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUANTIZED = ("int8", "fp8", "int4")
 SCALE_BYTES = 2  # float16
-
-
-def check_kv_cache_dtype(name: object) -> str:
-    if name not in KV_CACHE_DTYPES:
-        raise InvalidRequestError(
-            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}"
-        )
-    return str(name)
 
 
 def resolve(kv_cache_dtype: str, model_dtype: str) -> str:

@@ -1,11 +1,17 @@
-"""Per-request block tables on top of the block pool, with automatic prefix caching."""
+"""Block tables of requests on top of the block pool, with automatic prefix caching.
+
+The manager owns each request's block table (its blocks in position order and their chained
+hashes), keyed by request id; callers see block ids and small values (`PrefixHit`,
+`KVUsage`), never the table itself. It reads a request's tokens and computed-token count
+but never writes the request: the scheduler advances `num_computed_tokens`. Pure Python.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvstack.engine.request import Request
 from kvstack.kv.block_hash import BlockHash, hash_full_blocks
 from kvstack.kv.block_pool import BlockPool, KVBlock
 from kvstack.kv.pins import PinRegistry
@@ -13,11 +19,57 @@ from kvstack.kv.tiers.base import BlockTiers
 from kvstack.kv.window import SlidingWindow
 
 
+class KVRequest(Protocol):
+    """What the manager reads of a request."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def scores_prompt(self) -> bool:
+        """True when every prompt position must be computed (prompt logprobs): no hit."""
+        ...
+
+    def token_ids(self) -> list[int]: ...
+    def tokens_between(self, start: int, end: int) -> list[int]: ...
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     blocks: list[KVBlock]
     num_tokens: int
     num_restored_tokens: int = 0  # of num_tokens, loaded from a tier below the memory pool
+    # The request's full-block hashes, computed for the lookup; `allocate` keeps them.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """The pool's state and the prefix cache's counters, as `EngineStats` reports them."""
+
+    block_size: int
+    num_blocks_total: int
+    num_blocks_free: int  # allocatable now, cached-but-unused blocks included
+    num_blocks_cached: int  # free blocks still holding a reusable prefix
+    num_blocks_used: int  # held by requests or pins
+    num_blocks_pinned: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    tier_hit_tokens: int  # of prefix_cache_hit_tokens, loaded from the tiers
+
+
+@dataclass
+class _BlockTable:
+    blocks: list[KVBlock] = field(default_factory=list)  # sink blocks, then the live ones
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, from token 0
+    # Window mode: logical blocks between the sinks and `blocks`' rest that slid out and were
+    # freed (dropped, not evicted: they never enter the prefix cache).
+    num_dropped_blocks: int = 0
 
 
 class KVCacheManager:
@@ -26,7 +78,7 @@ class KVCacheManager:
     `on_free` hears of every block a request lets go (storage may keep per-block state, e.g.
     int4's full-precision window). With a `window` (sliding-window mode) a request's blocks
     that slid out of the window are freed after each step (`slide_window`) and prefix caching
-    is off: a block's K/V there depend on what was evicted before it.
+    is off: a block's K/V there depend on what was dropped before it.
     """
 
     def __init__(
@@ -52,9 +104,14 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.fingerprint = fingerprint
-        self.num_query_tokens = 0
-        self.num_hit_tokens = 0
-        self.num_restored_tokens = 0
+        self._tables: dict[str, _BlockTable] = {}
+        self.prefix_cache_query_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+        self.tier_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -64,13 +121,38 @@ class KVCacheManager:
         blocks = self.blocks_needed(num_tokens)
         return blocks if self.window is None else min(blocks, self.window.max_blocks)
 
-    def _extra_keys(self, request: Request) -> tuple[str, ...]:
-        return self._salted_keys(request.cache_salt)
+    # -- a request's table ------------------------------------------------------------------
+
+    def _table(self, request_id: str) -> _BlockTable:
+        table = self._tables.get(request_id)
+        if table is None:
+            table = self._tables[request_id] = _BlockTable()
+        return table
+
+    def blocks(self, request_id: str) -> list[KVBlock]:
+        """The request's blocks in position order (a copy; empty when it holds none)."""
+        table = self._tables.get(request_id)
+        return list(table.blocks) if table else []
+
+    def block_ids(self, request_id: str) -> list[int]:
+        table = self._tables.get(request_id)
+        return [b.block_id for b in table.blocks] if table else []
+
+    def block_hashes(self, request_id: str) -> list[BlockHash]:
+        """Hashes of the request's full blocks computed so far (from token 0)."""
+        table = self._tables.get(request_id)
+        return list(table.block_hashes) if table else []
+
+    def num_dropped_blocks(self, request_id: str) -> int:
+        table = self._tables.get(request_id)
+        return table.num_dropped_blocks if table else 0
 
     def _salted_keys(self, cache_salt: str | None) -> tuple[str, ...]:
         return (self.fingerprint, cache_salt or "")
 
-    def match_prefix(self, request: Request) -> PrefixHit:
+    # -- admission and growth ---------------------------------------------------------------
+
+    def match_prefix(self, request: KVRequest) -> PrefixHit:
         """Longest chain of cached full blocks; the last token is always left to compute.
 
         Past the memory hit, the tiers are asked for the next blocks: the run they hold is
@@ -78,24 +160,23 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
+        # A preempted request kept its hashes; nothing is stored for one not admitted yet.
+        table = self._tables.get(request.request_id)
         tokens = request.token_ids()
-        request.block_hashes = hash_full_blocks(
-            tokens, self.block_size, self._extra_keys(request), request.block_hashes
-        )
-        max_blocks = (len(tokens) - 1) // self.block_size
-        if request.params.prompt_logprobs is not None:
-            max_blocks = 0  # every prompt position must be computed to score it
+        hashes = hash_full_blocks(tokens, self.block_size, self._salted_keys(request.cache_salt),
+                                  table.block_hashes if table else [])
+        max_blocks = 0 if request.scores_prompt else (len(tokens) - 1) // self.block_size
         hit: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hit.append(block)
         restored: list[KVBlock] = []
         if self.tiers is not None and len(hit) < max_blocks:
-            restored = self._restore(request.block_hashes[len(hit):max_blocks], hit)
+            restored = self._restore(hashes[len(hit):max_blocks], hit)
         return PrefixHit(hit + restored, (len(hit) + len(restored)) * self.block_size,
-                         len(restored) * self.block_size)
+                         len(restored) * self.block_size, hashes)
 
     def _restore(self, hashes: list[BlockHash], hit: list[KVBlock]) -> list[KVBlock]:
         """Load the longest run of `hashes` the tiers hold into free blocks and publish them;
@@ -115,14 +196,17 @@ class KVCacheManager:
             self.pool.free(reversed(hit))
         return blocks[:num_loaded]
 
-    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+    def allocate(self, request: KVRequest, num_new_tokens: int,
+                 hit: PrefixHit | None = None) -> bool:
         """Give `request` room for `num_new_tokens` more; False (and no change) if it can't fit.
 
-        With a prefix hit (a request being admitted), the hit blocks become its first blocks.
+        With a prefix hit (a request being admitted), the hit blocks become its first blocks;
+        the caller then counts `hit.num_tokens` as computed.
         """
+        table = self._table(request.request_id)
         hit_blocks = hit.blocks if hit else []
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
-        num_held = len(request.blocks) + request.num_evicted_blocks + len(hit_blocks)
+        num_held = len(table.blocks) + table.num_dropped_blocks + len(hit_blocks)
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - num_held
         # Reviving a free cached block takes it out of the free queue too.
         num_revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
@@ -131,33 +215,33 @@ class KVCacheManager:
             return False
         if hit is not None:
             self.pool.touch(hit_blocks)
-            request.blocks.extend(hit_blocks)
-            request.num_computed_tokens += hit.num_tokens
+            table.blocks.extend(hit_blocks)
+            if len(hit.block_hashes) > len(table.block_hashes):
+                table.block_hashes = list(hit.block_hashes)
         if num_new_blocks > 0:
-            request.blocks.extend(self.pool.allocate(num_new_blocks))
+            table.blocks.extend(self.pool.allocate(num_new_blocks))
         return True
 
-    def record_query(self, request: Request, hit: PrefixHit) -> None:
-        self.num_query_tokens += request.num_tokens
-        self.num_hit_tokens += hit.num_tokens
-        self.num_restored_tokens += hit.num_restored_tokens
+    def record_query(self, request: KVRequest, hit: PrefixHit) -> None:
+        self.prefix_cache_query_tokens += request.num_tokens
+        self.prefix_cache_hit_tokens += hit.num_tokens
+        self.tier_hit_tokens += hit.num_restored_tokens
 
-    def cache_computed_blocks(self, request: Request) -> None:
+    def cache_computed_blocks(self, request: KVRequest) -> None:
         """Publish the request's newly completed full blocks in the prefix cache, and write
         them through to the tiers."""
         if not self.enable_prefix_caching:
             return
+        table = self._table(request.request_id)
         num_full = request.num_computed_tokens // self.block_size
-        if len(request.block_hashes) < num_full:
+        if len(table.block_hashes) < num_full:
             # Runs once per newly full block, not every step: no copy of the sequence otherwise.
-            request.block_hashes = hash_full_blocks(
-                request.tokens_between(0, num_full * self.block_size),
-                self.block_size,
-                self._extra_keys(request),
-                request.block_hashes,
+            table.block_hashes = hash_full_blocks(
+                request.tokens_between(0, num_full * self.block_size), self.block_size,
+                self._salted_keys(request.cache_salt), table.block_hashes,
             )
         published = []
-        for block, block_hash in zip(request.blocks[:num_full], request.block_hashes, strict=False):
+        for block, block_hash in zip(table.blocks[:num_full], table.block_hashes, strict=False):
             if block.block_hash is None:
                 self.pool.cache(block, block_hash)
                 if block.block_hash is not None:
@@ -165,31 +249,40 @@ class KVCacheManager:
         if published and self.tiers is not None:
             self.tiers.offload(published)
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so its head stays cached longest."""
-        self._free_blocks(list(reversed(request.blocks)))
-        request.blocks = []
-        request.num_evicted_blocks = 0
-        request.num_computed_tokens = 0
-
-    def slide_window(self, request: Request) -> None:
+    def slide_window(self, request: KVRequest) -> None:
         """Window mode: free the request's blocks no later query can see (sinks stay)."""
         if self.window is None:
             return
+        table = self._table(request.request_id)
         num_dead = self.window.num_dead_blocks(request.num_computed_tokens)
-        num_new = num_dead - request.num_evicted_blocks
+        num_new = num_dead - table.num_dropped_blocks
         if num_new <= 0:
             return
         first = self.window.num_sink_blocks
-        dead = request.blocks[first:first + num_new]
-        del request.blocks[first:first + num_new]
-        request.num_evicted_blocks += num_new
+        dead = table.blocks[first:first + num_new]
+        del table.blocks[first:first + num_new]
+        table.num_dropped_blocks += num_new
         self._free_blocks(dead)
+
+    def free(self, request_id: str, finished: bool = True) -> None:
+        """Release the request's blocks, tail first, so its head stays cached longest. A
+        preempted request (`finished=False`) keeps its block hashes for when it comes back."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        self._free_blocks(list(reversed(table.blocks)))
+        if finished:
+            del self._tables[request_id]
+        else:
+            table.blocks = []
+            table.num_dropped_blocks = 0
 
     def _free_blocks(self, blocks: list[KVBlock]) -> None:
         self.pool.free(blocks)
         if self.on_free is not None:
             self.on_free([b.block_id for b in blocks if b.ref_cnt == 0])
+
+    # -- the prefix cache beyond requests ---------------------------------------------------
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
@@ -209,9 +302,8 @@ class KVCacheManager:
             run.append((block.block_id, block_hash))
         return run
 
-    def pin_prefix(
-        self, token_ids: list[int], cache_salt: str | None, until: float
-    ) -> tuple[int, int]:
+    def pin_prefix(self, token_ids: list[int], cache_salt: str | None,
+                   until: float) -> tuple[int, int]:
         """Pin the cached full blocks of this prefix until `until` (see `PinRegistry`).
 
         Returns (tokens newly pinned, tokens already pinned); a partial last block is never
@@ -219,6 +311,35 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return 0, 0
-        hashes = hash_full_blocks(token_ids, self.block_size, self._salted_keys(cache_salt), [])
+        hashes = self.prefix_hashes(token_ids, cache_salt)
         num_new, num_refreshed = self.pins.pin(hashes, until)
         return num_new * self.block_size, num_refreshed * self.block_size
+
+    def expire_pins(self, now: float) -> int:
+        """Lapse every pin whose deadline has passed; returns how many lapsed."""
+        return self.pins.expire(now)
+
+    def usage(self) -> KVUsage:
+        pool = self.pool
+        return KVUsage(
+            block_size=self.block_size,
+            num_blocks_total=pool.num_blocks,
+            num_blocks_free=pool.num_free,
+            num_blocks_cached=pool.num_cached_free,
+            num_blocks_used=pool.num_in_use,
+            num_blocks_pinned=len(self.pins),
+            prefix_cache_query_tokens=self.prefix_cache_query_tokens,
+            prefix_cache_hit_tokens=self.prefix_cache_hit_tokens,
+            tier_hit_tokens=self.tier_hit_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """The pool's and the pins' invariants, and every table block held by its table."""
+        self.pool.check_integrity()
+        self.pins.check_integrity()
+        holders: dict[int, int] = {}
+        for table in self._tables.values():
+            for block in table.blocks:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for block_id, count in holders.items():
+            assert self.pool.blocks[block_id].ref_cnt >= count, "table block without a reference"

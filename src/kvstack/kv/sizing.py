@@ -104,11 +104,3 @@ class KVShape:
             return self
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, block_size,
                        self.model_dtype, self.window, self.sink_tokens)
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}".replace(".00 ", " ")
-        n /= 1024
-    raise AssertionError("unreachable")

@@ -4,14 +4,15 @@ APPROXIMATE by design: a token attends to the first `sink_tokens` tokens of its 
 to the `recent = window - sink_tokens` most recent ones (itself included), nothing between, so
 a conversation can run past the model's context in constant memory at some cost in quality.
 
-    position   0 .. S-1 | S ...... (evicted) ...... | p-recent+1 ........ p
+    position   0 .. S-1 | S ...... (dropped) ...... | p-recent+1 ........ p
     attended     sinks                                recent window      (the query at p)
 
 Blocks are the unit of memory: the sink blocks (`ceil(S / block_size)`) are kept for the whole
 request; a later block is freed as soon as no present or future query can see it, i.e. its
-last position is at or before `p - recent` for the next query position p. A request's
-`blocks` then hold its sink blocks followed by its live blocks; `num_evicted_blocks` counts
-the logical blocks between them that were freed.
+last position is at or before `p - recent` for the next query position p. A request's block
+table then holds its sink blocks followed by its live blocks; its `num_dropped_blocks` counts
+the logical blocks between them that were freed ("dropped": they never enter the prefix
+cache, unlike blocks the pool evicts).
 """
 
 from __future__ import annotations
@@ -49,9 +50,3 @@ class SlidingWindow:
         every later one can no longer see."""
         first_visible = num_computed_tokens - self.recent + 1
         return max(0, first_visible // self.block_size - self.num_sink_blocks)
-
-    def block_index(self, logical_block: int, num_evicted_blocks: int) -> int:
-        """Index in a request's `blocks` of one of its live logical blocks."""
-        if logical_block < self.num_sink_blocks:
-            return logical_block
-        return logical_block - num_evicted_blocks

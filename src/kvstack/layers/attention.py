@@ -46,23 +46,23 @@ def paged_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     meta: AttentionMetadata,
-    kv: KVCacheStorage | None,
+    kv_storage: KVCacheStorage | None,
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, H_kv, D] for the step's new tokens -> out [T, H, D]."""
-    if kv is not None and meta.slot_mapping is not None and not _store_kernel(layer, k, v, meta,
-                                                                              kv):
-        kv.write(layer, meta.slot_mapping, k, v)
+    if (kv_storage is not None and meta.slot_mapping is not None
+            and not _store_kernel(layer, k, v, meta, kv_storage)):
+        kv_storage.write(layer, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     if meta.window is not None:
-        assert kv is not None
+        assert kv_storage is not None
         for window_span in meta.window:
-            window_attention(layer, q, out, window_span, kv)
+            window_attention(layer, q, out, window_span, kv_storage)
         return out
-    if kv is not None and kv.basis is not None:
+    if kv_storage is not None and kv_storage.basis is not None:
         # K/V come back in the storage's orthonormal basis: meet them there (every span
         # reads them back, the cache being lossy), then turn the output back.
-        return _attend(layer, q @ kv.basis, k, v, meta, kv) @ kv.basis.T
-    return _attend(layer, q, k, v, meta, kv)
+        return _attend(layer, q @ kv_storage.basis, k, v, meta, kv_storage) @ kv_storage.basis.T
+    return _attend(layer, q, k, v, meta, kv_storage)
 
 
 def _attend(
@@ -71,13 +71,13 @@ def _attend(
     k: torch.Tensor,
     v: torch.Tensor,
     meta: AttentionMetadata,
-    kv: KVCacheStorage | None,
+    kv_storage: KVCacheStorage | None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
-        assert kv is not None
-        if not _decode_kernel(layer, q, out, meta, kv):
-            kd, vd = kv.read(layer, meta.decode_slots)  # [B, S, H_kv, D]
+        assert kv_storage is not None
+        if not _decode_kernel(layer, q, out, meta, kv_storage):
+            kd, vd = kv_storage.read(layer, meta.decode_slots)  # [B, S, H_kv, D]
             qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
             od = F.scaled_dot_product_attention(
                 qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
@@ -92,8 +92,8 @@ def _attend(
             vs = v[span.start : span.end].transpose(0, 1)[None]
             os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
-            assert kv is not None
-            kc, vc = kv.read(layer, span.slots)
+            assert kv_storage is not None
+            kc, vc = kv_storage.read(layer, span.slots)
             num_q = span.end - span.start
             # query i sits at position context_len - num_q + i and sees keys up to there
             q_pos = torch.arange(span.context_len - num_q, span.context_len)
@@ -107,12 +107,12 @@ def _attend(
 
 
 def _store_kernel(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                  kv: KVCacheStorage) -> bool:
-    """`kv.write` as one C call (two index_copy_ per layer cost more than the copy itself at
+                  kv_storage: KVCacheStorage) -> bool:
+    """`kv_storage.write` as one C call (two index_copy_ per layer cost more than the copy itself at
     decode sizes); False where it does not apply."""
     if not meta.use_kernels or meta.slot_mapping is None:
         return False
-    tensors = kv.layer_tensors(layer)
+    tensors = kv_storage.layer_tensors(layer)
     if tensors is None or tensors[0].dtype != k.dtype or not kernel_ops.available(k.dtype):
         return False
     if k.stride()[1:] != (k.shape[2], 1) or v.stride() != k.stride():
@@ -122,10 +122,10 @@ def _store_kernel(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionM
 
 
 def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
-                   kv: KVCacheStorage) -> bool:
+                   kv_storage: KVCacheStorage) -> bool:
     """Decode rows through the C kernel, reading K/V slots in place (no gathered copy of the
     context per step); False where it does not apply (lossy storage, kernels off)."""
-    tensors = kv.layer_tensors(layer)
+    tensors = kv_storage.layer_tensors(layer)
     if (not meta.use_kernels or meta.decode_lens is None or tensors is None
             or not kernel_ops.available(q.dtype)):
         return False

@@ -33,12 +33,12 @@ class SamplingState:
 
     `output_token_ids` is the request's own list: the engine appends to it and the sampler
     reads it. It may only grow; if it ever shrinks the penalty bookkeeping is rebuilt.
-    `generator` is created from `params.seed` when not given, so a seeded request draws from
-    its own stream and its tokens do not depend on the batch it runs in.
+    `generator` is created from `sampling_params.seed` when not given, so a seeded request
+    draws from its own stream and its tokens do not depend on the batch it runs in.
     Token ids must be smaller than the vocabulary size of the logits.
     """
 
-    params: SamplingParams
+    sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None
@@ -50,7 +50,7 @@ class SamplingState:
 
     def __post_init__(self) -> None:
         if self.generator is None:
-            self.generator = make_generator(self.params.seed)
+            self.generator = make_generator(self.sampling_params.seed)
 
     def penalty_tensors(
         self, vocab_size: int, device: torch.device
@@ -89,14 +89,14 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
     Rows without penalties are returned unchanged. The input is never modified; when no row
     has penalties the input tensor itself is returned.
     """
-    rows = [i for i, s in enumerate(states) if s.params.has_penalties]
+    rows = [i for i, s in enumerate(states) if s.sampling_params.has_penalties]
     if not rows:
         return logits
     vocab_size, device = logits.shape[1], logits.device
     seen_rows, count_rows = zip(
         *(states[i].penalty_tensors(vocab_size, device) for i in rows), strict=True
     )
-    params = [states[i].params for i in rows]
+    params = [states[i].sampling_params for i in rows]
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # [P, 1]
@@ -151,7 +151,7 @@ def _sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tens
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device)
 
-    params = [s.params for s in states]
+    params = [s.sampling_params for s in states]
     temperature = [p.temperature for p in params]
     x = logits / column(temperature).unsqueeze(1) if any(t != 1 for t in temperature) else logits
     min_p = [p.min_p for p in params]
@@ -202,12 +202,12 @@ class Sampler:
                 f"logits must be [num_states, vocab]; got {tuple(logits.shape)} "
                 f"for {len(states)} states"
             )
-        if all(s.params.greedy and not s.params.has_penalties for s in states):
+        if all(s.sampling_params.greedy and not s.sampling_params.has_penalties for s in states):
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._choose(apply_penalties(logits, states), states)
         logprobs = None
-        if any(s.params.logprobs is not None for s in states):
+        if any(s.sampling_params.logprobs is not None for s in states):
             logprobs = (
                 torch.log_softmax(logits.float(), dim=-1)
                 .gather(1, token_ids.unsqueeze(1))
@@ -218,7 +218,7 @@ class Sampler:
 
     @staticmethod
     def _choose(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        sampled = [i for i, s in enumerate(states) if not s.params.greedy]
+        sampled = [i for i, s in enumerate(states) if not s.sampling_params.greedy]
         if len(sampled) == len(states):
             return _sample(logits.float(), states)
         token_ids = logits.argmax(dim=-1)

@@ -12,7 +12,7 @@ along the head dimension against keys zero-padded on the other half:
     k_ext = [rot(k, s) | 0]  for sinks,  [0 | rot(k, j - shift)]  for recent keys
     q_ext . k_ext = the score each key would get in its own part
 
-Before any eviction (p < window) every index equals the true position: full attention.
+Before anything slides out (p < window) every index equals the true position: full attention.
 """
 
 from __future__ import annotations
@@ -108,13 +108,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def window_attention(
-    layer: int, q: torch.Tensor, out: torch.Tensor, span: WindowSpan, kv: KVCacheStorage
+    layer: int, q: torch.Tensor, out: torch.Tensor, span: WindowSpan, kv_storage: KVCacheStorage
 ) -> None:
     """q, out: [T, H, D] of the whole step; fills the span's rows of `out`."""
     qs = q[span.rows]  # [B, m, H, D]
-    k, v = kv.read(layer, span.slots)  # [B, n, H_kv, D], unrotated
-    if kv.basis is not None:  # RoPE needs K in the model's basis
-        k, v = k @ kv.basis.T, v @ kv.basis.T
+    k, v = kv_storage.read(layer, span.slots)  # [B, n, H_kv, D], unrotated
+    if kv_storage.basis is not None:  # RoPE needs K in the model's basis
+        k, v = k @ kv_storage.basis.T, v @ kv_storage.basis.T
     k = _rotate(k, span.key_cos, span.key_sin)
     zero = k.new_zeros(())
     k_ext = torch.cat((torch.where(span.sink, k, zero), torch.where(span.sink, zero, k)), dim=-1)

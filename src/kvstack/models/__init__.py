@@ -1,6 +1,7 @@
 """Model families. Importing this package registers every family."""
 
 from kvstack.models import llama  # noqa: F401  (registers itself)
-from kvstack.models.registry import model_class, supported_architectures
+from kvstack.models.base import CausalLM, ModelFamily
+from kvstack.models.registry import family_of
 
-__all__ = ["model_class", "supported_architectures"]
+__all__ = ["CausalLM", "ModelFamily", "family_of"]

@@ -8,17 +8,22 @@ ones to PyTorch's matmul. `use_kernels=False` is the reference path: PyTorch ops
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from kvstack.config import ModelConfig
-from kvstack.errors import ModelLoadError
+from kvstack.errors import ModelLoadError, UnsupportedModelError
 from kvstack.kernels import ops as kernel_ops
 from kvstack.kernels.decode_step import DecodeStep
 from kvstack.kernels.linear import Linear
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.layers.attention import AttentionMetadata, paged_attention
 from kvstack.layers.rope import RotaryEmbedding
+from kvstack.models.base import ModelFamily
 from kvstack.models.registry import register
 
 
@@ -39,7 +44,6 @@ class _Layer:
         self.down: Linear  # [hidden, I]
 
 
-@register("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 class LlamaForCausalLM:
     """Forward over a flattened batch of new tokens, reading/writing the paged KV cache."""
 
@@ -59,7 +63,7 @@ class LlamaForCausalLM:
         self.final_norm: torch.Tensor
         self.lm_head: Linear  # [vocab, hidden]
 
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Take HF-named tensors ([out, in] layout) and fuse them."""
         c = self.config
 
@@ -119,73 +123,53 @@ class LlamaForCausalLM:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv: KVCacheStorage | None,
+        kv_storage: KVCacheStorage | None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm)."""
-        if (self.use_kernels and input_ids.shape[0] <= self.lm_head.max_kernel_rows
-                and meta.window is None
-                and kernel_ops.available(self.dtype)):
-            return self._forward_fused(input_ids, positions, meta, kv)
-        c = self.config
-        num_q, num_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        eps = c.rms_norm_eps
-        h = self._embed(input_ids)
-        cos, sin = self.rope.table(positions, self.dtype)
-        for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, eps)
-            qkv = layer.qkv(x)
-            q, k, v = qkv.split([num_q, num_kv, num_kv], dim=-1)
-            q = q.view(-1, c.num_heads, c.head_dim)
-            k = k.view(-1, c.num_kv_heads, c.head_dim)
-            v = v.view(-1, c.num_kv_heads, c.head_dim)
-            q, k = self.rope(q, k, cos, sin)
-            attn = paged_attention(i, q, k, v, meta, kv)
-            h = h + layer.o(attn.view(-1, num_q))
-            x = rms_norm(h, layer.post_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        return rms_norm(h, self.final_norm, eps)
+        """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm).
 
-    def _forward_fused(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv: KVCacheStorage | None,
-    ) -> torch.Tensor:
-        """`forward` for decode-sized steps: the same math with the norms (each fused with the
-        residual add before it), RoPE and SiLU-gate in C, one call each instead of 5-10 ops."""
+        Decode-sized steps take the C kernels (norms fused with the residual add before them,
+        RoPE and SiLU-gate one call each; a step of decodes only runs every layer in one C
+        call); larger steps and `use_kernels=False` take PyTorch's ops. Both run the same
+        layer loop (`_layers`) with their own `_Ops`.
+        """
+        h = self._embed(input_ids)
+        if (self.use_kernels and input_ids.shape[0] <= self.lm_head.max_kernel_rows
+                and meta.window is None and kernel_ops.available(self.dtype)):
+            h = h.contiguous()
+            cos, sin = self.rope.cos[positions], self.rope.sin[positions]  # fp32 [T, D]
+            step = self._decode_step(kv_storage) if _decodes_only(meta, h.shape[0]) else None
+            if step is not None:
+                assert meta.slot_mapping is not None and meta.decode_slots is not None
+                assert meta.decode_lens is not None
+                pending = step(h, cos, sin, meta.slot_mapping, meta.decode_slots,
+                               meta.decode_lens)
+                return kernel_ops.rms_norm(h, self.final_norm, self.config.rms_norm_eps,
+                                           residual=pending)
+            return self._layers(h, _KernelOps(self.config, cos, sin), meta, kv_storage)
+        cos, sin = self.rope.table(positions, self.dtype)
+        return self._layers(h, _TorchOps(self.config, self.rope, cos, sin), meta, kv_storage)
+
+    def _layers(self, h: torch.Tensor, ops: _Ops, meta: AttentionMetadata,
+                kv_storage: KVCacheStorage | None) -> torch.Tensor:
+        """The decoder layers over the residual stream h [T, hidden] (updated in place)."""
         c = self.config
-        num_q, num_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        eps = c.rms_norm_eps
-        h = self._embed(input_ids).contiguous()
-        cos, sin = self.rope.cos[positions], self.rope.sin[positions]  # fp32 [T, D]
-        step = self._decode_step(kv) if _decodes_only(meta, input_ids.shape[0]) else None
-        if step is not None:
-            assert meta.slot_mapping is not None and meta.decode_slots is not None
-            assert meta.decode_lens is not None
-            pending = step(h, cos, sin, meta.slot_mapping, meta.decode_slots, meta.decode_lens)
-            return kernel_ops.rms_norm(h, self.final_norm, eps, residual=pending)
+        num_q = c.num_heads * c.head_dim
         pending: torch.Tensor | None = None  # the last block's output, added to h by the norm
         for i, layer in enumerate(self.layers):
-            x = kernel_ops.rms_norm(h, layer.input_norm, eps, residual=pending)
-            qkv = layer.qkv(x)
-            kernel_ops.rope_(qkv, c.num_heads + c.num_kv_heads, c.head_dim, cos, sin)
-            q, k, v = qkv.split([num_q, num_kv, num_kv], dim=-1)
-            attn = paged_attention(i, q.view(-1, c.num_heads, c.head_dim),
-                                   k.view(-1, c.num_kv_heads, c.head_dim),
-                                   v.view(-1, c.num_kv_heads, c.head_dim), meta, kv)
-            x = kernel_ops.rms_norm(h, layer.post_norm, eps, residual=layer.o(attn.view(-1, num_q)))
-            pending = layer.down(kernel_ops.silu_mul(layer.gate_up(x)))
-        return kernel_ops.rms_norm(h, self.final_norm, eps, residual=pending)
+            x = ops.add_rms_norm(h, layer.input_norm, pending)
+            q, k, v = ops.qkv_rope(layer.qkv(x))
+            attn = paged_attention(i, q, k, v, meta, kv_storage)
+            x = ops.add_rms_norm(h, layer.post_norm, layer.o(attn.view(-1, num_q)))
+            pending = layer.down(ops.silu_mul(layer.gate_up(x)))
+        return ops.add_rms_norm(h, self.final_norm, pending)
 
-    def _decode_step(self, kv: KVCacheStorage | None) -> DecodeStep | None:
+    def _decode_step(self, kv_storage: KVCacheStorage | None) -> DecodeStep | None:
         """The one-call decode step over this storage, built on first use; None where the
         cache is lossy or a weight has no kernel."""
-        if kv is None:
+        if kv_storage is None:
             return None
-        if self._step_for is not kv:
-            caches = [kv.layer_tensors(i) for i in range(self.config.num_layers)]
+        if self._step_for is not kv_storage:
+            caches = [kv_storage.layer_tensors(i) for i in range(self.config.num_layers)]
             linears = [lin for layer in self.layers
                        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             usable = all(t is not None and t[0].dtype == self.dtype for t in caches) and all(
@@ -195,13 +179,79 @@ class LlamaForCausalLM:
                 self.layers, caches, self.dtype, c.hidden_size, c.num_heads, c.num_kv_heads,
                 c.head_dim, c.intermediate_size, c.rms_norm_eps,
             ) if usable else None
-            self._step_for = kv
+            self._step_for = kv_storage
         return self._step
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the positions that sample) -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+
+class _Ops:
+    """The per-layer operations of one forward, on the residual stream h [T, hidden]."""
+
+    def add_rms_norm(self, h: torch.Tensor, weight: torch.Tensor,
+                     residual: torch.Tensor | None) -> torch.Tensor:
+        """h += residual (in place, when given); return rms_norm(h) * weight."""
+        raise NotImplementedError
+
+    def qkv_rope(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A fused QKV projection [T, (H + 2 H_kv) D] -> q [T, H, D], k, v [T, H_kv, D],
+        q and k rotated."""
+        raise NotImplementedError
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 I] -> silu(gate) * up, [T, I]."""
+        raise NotImplementedError
+
+
+class _TorchOps(_Ops):
+    """PyTorch ops in the model dtype (norms in fp32): the reference path."""
+
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
+        self.c, self.rope, self.cos, self.sin = config, rope, cos, sin
+
+    def add_rms_norm(self, h: torch.Tensor, weight: torch.Tensor,
+                     residual: torch.Tensor | None) -> torch.Tensor:
+        if residual is not None:
+            h.add_(residual)
+        return rms_norm(h, weight, self.c.rms_norm_eps)
+
+    def qkv_rope(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.c
+        num_q, num_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = qkv.split([num_q, num_kv, num_kv], dim=-1)
+        q, k = self.rope(q.view(-1, c.num_heads, c.head_dim),
+                         k.view(-1, c.num_kv_heads, c.head_dim), self.cos, self.sin)
+        return q, k, v.view(-1, c.num_kv_heads, c.head_dim)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class _KernelOps(_Ops):
+    """The C kernels (`kernels/ops.c`): the same math, one call per op; cos, sin fp32 [T, D]."""
+
+    def __init__(self, config: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.c, self.cos, self.sin = config, cos, sin
+
+    def add_rms_norm(self, h: torch.Tensor, weight: torch.Tensor,
+                     residual: torch.Tensor | None) -> torch.Tensor:
+        return kernel_ops.rms_norm(h, weight, self.c.rms_norm_eps, residual=residual)
+
+    def qkv_rope(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.c
+        num_q, num_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        kernel_ops.rope_(qkv, c.num_heads + c.num_kv_heads, c.head_dim, self.cos, self.sin)
+        q, k, v = qkv.split([num_q, num_kv, num_kv], dim=-1)
+        return (q.view(-1, c.num_heads, c.head_dim), k.view(-1, c.num_kv_heads, c.head_dim),
+                v.view(-1, c.num_kv_heads, c.head_dim))
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return kernel_ops.silu_mul(gate_up)
 
 
 def _decodes_only(meta: AttentionMetadata, num_rows: int) -> bool:
@@ -213,3 +263,123 @@ def _decodes_only(meta: AttentionMetadata, num_rows: int) -> bool:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+# -- the family: config mapping and tensor checks ---------------------------------------------
+
+_MODEL_TYPE_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def llama_config(hf_config: dict[str, Any], source: Path) -> ModelConfig:
+    """ModelConfig of a Llama-family config.json dict, refusing what this model can't run."""
+    if hf_config.get("hidden_act", "silu") != "silu" or hf_config.get("mlp_bias"):
+        raise UnsupportedModelError(
+            f"{source}: only SiLU MLPs without bias are supported "
+            f"(hidden_act={hf_config.get('hidden_act')}, mlp_bias={hf_config.get('mlp_bias')})"
+        )
+    hf = dict(hf_config)
+    window = _sliding_window(hf)
+    if window is not None and window < hf.get("max_position_embeddings", window + 1):
+        # Attention is full, so it is exact only while the context fits in the window.
+        hf["max_position_embeddings"] = window
+    try:
+        return _from_hf(hf)
+    except (KeyError, TypeError) as err:
+        raise ModelLoadError(
+            f"{source}: model config lacks or mistypes {err}; the config is not a Llama-family one"
+        ) from err
+
+
+def _from_hf(hf: dict[str, Any]) -> ModelConfig:
+    model_type = hf.get("model_type", "unknown")
+    archs = hf.get("architectures") or [_MODEL_TYPE_ARCH.get(model_type, model_type)]
+    num_heads = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return ModelConfig(
+        architecture=archs[0],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        max_model_len=hf.get("max_position_embeddings", 2048),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(hf),
+        rope_scaling=_rope_scaling(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _sliding_window(hf: dict[str, Any]) -> int | None:
+    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window"):
+        return None
+    return hf.get("sliding_window")
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
+    # transformers >= 5 moved rope_scaling into rope_parameters with rope_type "default".
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    return dict(scaling)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape of every tensor the Llama-family model reads."""
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(config.num_layers):
+        layer = f"model.layers.{i}."
+        attn, mlp = layer + "self_attn.", layer + "mlp."
+        shapes |= {
+            layer + "input_layernorm.weight": (hidden,),
+            layer + "post_attention_layernorm.weight": (hidden,),
+            attn + "q_proj.weight": (q_rows, hidden),
+            attn + "k_proj.weight": (kv_rows, hidden),
+            attn + "v_proj.weight": (kv_rows, hidden),
+            attn + "o_proj.weight": (hidden, q_rows),
+            mlp + "gate_proj.weight": (inter, hidden),
+            mlp + "up_proj.weight": (inter, hidden),
+            mlp + "down_proj.weight": (hidden, inter),
+        }
+        if config.attention_bias:
+            shapes |= {
+                attn + "q_proj.bias": (q_rows,),
+                attn + "k_proj.bias": (kv_rows,),
+                attn + "v_proj.bias": (kv_rows,),
+            }
+    return shapes
+
+
+LLAMA = register(ModelFamily(
+    name="llama",
+    architectures=tuple(_MODEL_TYPE_ARCH.values()),
+    create=LlamaForCausalLM,
+    config_from_hf=llama_config,
+    expected_shapes=expected_shapes,
+))

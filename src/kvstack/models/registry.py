@@ -1,32 +1,24 @@
-"""Architecture name -> model class. A family module registers itself on import."""
+"""Architecture name -> model family. A family module registers itself on import."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from kvstack.errors import UnsupportedModelError
+from kvstack.models.base import ModelFamily
 
-_REGISTRY: dict[str, type] = {}
-
-
-def register(*architectures: str) -> Callable[[type], type]:
-    def wrap(cls: type) -> type:
-        for name in architectures:
-            _REGISTRY[name] = cls
-        return cls
-
-    return wrap
+_FAMILIES: dict[str, ModelFamily] = {}
 
 
-def model_class(architecture: str) -> Any:
-    if architecture not in _REGISTRY:
-        known = ", ".join(sorted(_REGISTRY))
+def register(family: ModelFamily) -> ModelFamily:
+    for name in family.architectures:
+        _FAMILIES[name] = family
+    return family
+
+
+def family_of(architecture: str) -> ModelFamily:
+    """The family that runs `architecture`; UnsupportedModelError naming the known ones."""
+    if architecture not in _FAMILIES:
+        known = ", ".join(sorted(_FAMILIES))
         raise UnsupportedModelError(
             f"architecture {architecture!r} is not supported; supported: {known}"
         )
-    return _REGISTRY[architecture]
-
-
-def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)
+    return _FAMILIES[architecture]

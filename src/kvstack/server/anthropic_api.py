@@ -10,22 +10,25 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvstack.engine.chat import chat_token_ids, common_prefix_len
+from kvstack.engine.chat import chat_token_ids
 from kvstack.errors import InvalidRequestError
 from kvstack.outputs import RequestOutput
-from kvstack.server.app import ServerState, parse_body, server_state
 from kvstack.server.auth import AuthTenant
-from kvstack.server.errors import ApiError, from_exception
-from kvstack.server.generation import Generation, unless_disconnected
+from kvstack.server.body import parse_body
+from kvstack.server.errors import ApiError
+from kvstack.server.generation import OutputStream
 from kvstack.server.protocol import CacheControl, ContentBlock, MessagesRequest
-from kvstack.server.semantic_api import Probe, Replay, split_conversation
+from kvstack.server.responses import respond, sse
+from kvstack.server.semantic_api import Probe, split_conversation
+from kvstack.server.state import ServerState, server_state
+from kvstack.units import common_prefix_len
 
 router = APIRouter()
 
@@ -39,56 +42,22 @@ async def messages(request: Request, tenant: AuthTenant) -> JSONResponse | Strea
     body = await parse_body(request, MessagesRequest)
     state.check_model(body.model)
     prompt = _build_prompt(state, body)
-    num_prompt = len(prompt.token_ids)
-    params = state.sampling_params(
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
-        seed=body.seed,
-        stop=body.stop_sequences,
-        stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos,
-        skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        max_tokens=state.max_tokens(body.max_tokens, num_prompt),
-    )
+    params = state.sampling_params(body, state.max_tokens(body.max_tokens, len(prompt.token_ids)),
+                                   stop=body.stop_sequences)
     salt = tenant.cache_salt(body.cache_salt)
-    message_id = f"msg_{uuid.uuid4().hex}"
     probe = None
     if state.semantic is not None:
         key_text, context = _semantic_key(body)
         probe = await state.semantic.probe(tenant, "anthropic.messages", key_text, context,
                                            params, body.max_tokens, body.semantic_cache,
                                            body.cache_salt)
-    headers = probe.headers if probe is not None else {}
-    gen: Generation | Replay
+    wire = _AnthropicWire(state, prompt, salt, probe)
+    stream: OutputStream
     if probe is not None and probe.hit:
-        gen = probe.replay(message_id, prompt.token_ids)
+        stream = probe.replay(wire.id, prompt.token_ids)
     else:
-        gen = state.start(prompt.token_ids, params, message_id, salt)
-    try:
-        # The prefill is done once the first token is out: its blocks are cached, so pin now.
-        first = await unless_disconnected(request, gen.next())
-        hit = probe is not None and probe.hit
-        num_pinned = 0 if hit else await _pin(state, prompt, salt)
-        usage = _Usage(num_prompt, first.num_cached_tokens, num_pinned,
-                       None if probe is None else hit)
-        if not body.stream:
-            out = await unless_disconnected(request, gen.final(first))
-            if probe is not None:
-                await probe.store(out)
-            return JSONResponse(_message(state, message_id, out, usage), headers=headers)
-    except BaseException:
-        gen.close()
-        raise
-    finally:
-        if not body.stream:
-            gen.close()
-    events = _events(state, request, message_id, gen, first, usage, probe)
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", **headers})
+        stream = state.start(prompt.token_ids, params, wire.id, salt)
+    return await respond(request, stream, wire, bool(body.stream), probe)
 
 
 # -- prompt and breakpoints ------------------------------------------------------------------
@@ -240,54 +209,66 @@ def _stop(out: RequestOutput) -> tuple[str | None, str | None]:
     return "end_turn", None
 
 
-def _message(state: ServerState, message_id: str, out: RequestOutput | None,
-             usage: _Usage) -> dict[str, Any]:
-    content = [] if out is None else [{"type": "text", "text": out.outputs[0].text}]
-    reason, sequence = (None, None) if out is None else _stop(out)
-    return {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": state.model_name,
-        "content": content,
-        "stop_reason": reason,
-        "stop_sequence": sequence,
-        "usage": usage.as_dict(0 if out is None else len(out.outputs[0].token_ids)),
-    }
+class _AnthropicWire:
+    """A message's JSON and event shapes (see `responses.WireFormat`)."""
 
+    def __init__(self, state: ServerState, prompt: _Prompt, cache_salt: str | None,
+                 probe: Probe | None) -> None:
+        self.state = state
+        self.prompt = prompt
+        self.cache_salt = cache_salt
+        self.probe = probe
+        self.headers = probe.headers if probe is not None else {}
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.usage = _Usage(len(prompt.token_ids), 0, 0)
 
-async def _events(state: ServerState, request: Request, message_id: str,
-                  gen: Generation | Replay, out: RequestOutput, usage: _Usage,
-                  probe: Probe | None) -> AsyncIterator[str]:
-    try:
-        yield _event("message_start", {"message": _message(state, message_id, None, usage)})
+    async def started(self, first: RequestOutput) -> None:
+        # The prefill is done once the first token is out: its blocks are cached, so pin now.
+        hit = self.probe is not None and self.probe.hit
+        num_pinned = 0 if hit else await _pin(self.state, self.prompt, self.cache_salt)
+        self.usage = _Usage(len(self.prompt.token_ids), first.num_cached_tokens, num_pinned,
+                            None if self.probe is None else hit)
+
+    def whole(self, out: RequestOutput | None) -> dict[str, Any]:
+        content = [] if out is None else [{"type": "text", "text": out.outputs[0].text}]
+        reason, sequence = (None, None) if out is None else _stop(out)
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.state.model_name,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": self.usage.as_dict(0 if out is None else len(out.outputs[0].token_ids)),
+        }
+
+    def opening(self, first: RequestOutput) -> Iterable[str]:
+        yield _event("message_start", {"message": self.whole(None)})
         yield _event("content_block_start",
                      {"index": 0, "content_block": {"type": "text", "text": ""}})
-        sent = 0
-        while True:
-            text = out.outputs[0].text
-            if len(text) > sent:
-                yield _event("content_block_delta",
-                             {"index": 0, "delta": {"type": "text_delta", "text": text[sent:]}})
-                sent = len(text)
-            if out.finished:
-                break
-            out = await gen.next()
-        if probe is not None:
-            await probe.store(out)
+
+    def delta(self, out: RequestOutput, text: str, sent_chars: int,
+              sent_tokens: int) -> Iterable[str]:
+        if text:
+            yield _event("content_block_delta",
+                         {"index": 0, "delta": {"type": "text_delta", "text": text}})
+
+    def closing(self, out: RequestOutput) -> Iterable[str]:
         yield _event("content_block_stop", {"index": 0})
         reason, sequence = _stop(out)
         yield _event("message_delta", {
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": usage.as_dict(len(out.outputs[0].token_ids)),
+            "usage": self.usage.as_dict(len(out.outputs[0].token_ids)),
         })
         yield _event("message_stop", {})
-    except Exception as err:  # noqa: BLE001 - the status line is gone; say it in-band
-        yield _event("error", json.loads(from_exception(request.url.path, err).body))
-    finally:
-        gen.close()
+
+    def error(self, body: dict[str, Any]) -> str:
+        return _event("error", body)
+
+    def done(self) -> Iterable[str]:
+        return ()
 
 
 def _event(kind: str, payload: dict[str, Any]) -> str:
-    data = payload if kind == "error" else {"type": kind, **payload}
-    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return sse(payload if kind == "error" else {"type": kind, **payload}, event=kind)

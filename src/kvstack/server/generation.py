@@ -1,10 +1,14 @@
-"""One engine request as the HTTP layer sees it: started, read, and always cleaned up."""
+"""One engine request as the HTTP layer sees it: started, read, and always cleaned up.
+
+`OutputStream` is what a response is written from: `Generation` (a model run) or a semantic
+cache `Replay`; both hand out cumulative outputs until one is finished.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 
@@ -18,6 +22,27 @@ T = TypeVar("T")
 
 # The event loop keeps only weak references to tasks; a pump must live until its abort is done.
 _pumps: set[asyncio.Task[None]] = set()
+
+
+class OutputStream(Protocol):
+    finished: bool
+
+    async def next(self) -> RequestOutput:
+        """The next cumulative output; raises the request's error."""
+        ...
+
+    def close(self) -> None:
+        """Stop (abort a model run) unless finished; safe to call more than once."""
+        ...
+
+
+async def final_output(stream: OutputStream, first: RequestOutput | None = None
+                       ) -> RequestOutput:
+    """Read `stream` to its finished output (`first`: one already read)."""
+    out = first
+    while out is None or not out.finished:
+        out = await stream.next()
+    return out
 
 
 class Generation:
@@ -34,7 +59,7 @@ class Generation:
         engine: AsyncLLM,
         metrics: ServerMetrics,
         prompt_token_ids: Sequence[int],
-        params: SamplingParams,
+        sampling_params: SamplingParams,
         request_id: str,
         cache_salt: str | None,
     ) -> None:
@@ -43,14 +68,16 @@ class Generation:
         self._engine = engine
         self._metrics = metrics
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._task = asyncio.create_task(self._pump(list(prompt_token_ids), params, cache_salt))
+        self._task = asyncio.create_task(self._pump(list(prompt_token_ids), sampling_params,
+                                                    cache_salt))
         _pumps.add(self._task)
         self._task.add_done_callback(_pumps.discard)
 
-    async def _pump(self, prompt: list[int], params: SamplingParams,
+    async def _pump(self, prompt: list[int], sampling_params: SamplingParams,
                     cache_salt: str | None) -> None:
         try:
-            async for out in self._engine.generate(prompt, params, self.request_id, cache_salt):
+            async for out in self._engine.generate(prompt, sampling_params, self.request_id,
+                                                   cache_salt):
                 self._queue.put_nowait(out)
         except asyncio.CancelledError:
             # Cancelled while the request was still being queued: make sure it goes too.
@@ -69,12 +96,6 @@ class Generation:
             self.finished = True
             self._metrics.observe(item)
         return item
-
-    async def final(self, first: RequestOutput | None = None) -> RequestOutput:
-        out = first
-        while out is None or not out.finished:
-            out = await self.next()
-        return out
 
     def close(self) -> None:
         """Abort the request unless it finished; safe to call more than once."""

@@ -2,30 +2,32 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvstack.engine.chat import chat_token_ids
+from kvstack.engine.tokenizer import check_token_ids
 from kvstack.errors import InvalidRequestError
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
-from kvstack.server.app import ServerState, parse_body, server_state
 from kvstack.server.auth import AuthTenant
-from kvstack.server.errors import ApiError, from_exception
-from kvstack.server.generation import Generation, unless_disconnected
+from kvstack.server.body import parse_body
+from kvstack.server.errors import ApiError
+from kvstack.server.generation import OutputStream
 from kvstack.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     OpenAISampling,
 )
-from kvstack.server.semantic_api import Probe, Replay, split_conversation
+from kvstack.server.responses import respond, sse
+from kvstack.server.semantic_api import Probe, split_conversation
+from kvstack.server.state import ServerState, server_state
 
 router = APIRouter()
 
@@ -58,12 +60,13 @@ async def completions(request: Request, tenant: AuthTenant) -> JSONResponse | St
     echo = state.tokenizer.decode(prompt_ids) if body.echo else ""
     probe = None
     if state.semantic is not None:
-        key_text = _completion_text(body.prompt)
-        probe = await state.semantic.probe(tenant, "openai.completions", key_text, None, params,
+        probe = await state.semantic.probe(tenant, "openai.completions",
+                                           _completion_text(body.prompt), None, params,
                                            body.max_tokens, body.semantic_cache,
                                            body.cache_salt)
-    call = _Call(state, request, "cmpl", "text_completion", len(prompt_ids), body, probe)
-    return await call.run(prompt_ids, params, tenant.cache_salt(body.cache_salt), echo)
+    wire = _OpenAIWire(state, "cmpl", "text_completion", len(prompt_ids), body, probe, echo)
+    return await _answer(request, state, wire, prompt_ids, params,
+                         tenant.cache_salt(body.cache_salt), body, probe)
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -86,8 +89,20 @@ async def chat_completions(request: Request,
         key_text, context = split_conversation(messages)
         probe = await state.semantic.probe(tenant, "openai.chat", key_text, context, params,
                                            max_tokens, body.semantic_cache, body.cache_salt)
-    call = _Call(state, request, "chatcmpl", "chat.completion", len(prompt_ids), body, probe)
-    return await call.run(prompt_ids, params, tenant.cache_salt(body.cache_salt))
+    wire = _OpenAIWire(state, "chatcmpl", "chat.completion", len(prompt_ids), body, probe)
+    return await _answer(request, state, wire, prompt_ids, params,
+                         tenant.cache_salt(body.cache_salt), body, probe)
+
+
+async def _answer(request: Request, state: ServerState, wire: _OpenAIWire,
+                  prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
+                  body: OpenAISampling, probe: Probe | None) -> JSONResponse | StreamingResponse:
+    stream: OutputStream
+    if probe is not None and probe.hit:
+        stream = probe.replay(wire.id, prompt_ids)
+    else:
+        stream = state.start(prompt_ids, params, wire.id, cache_salt)
+    return await respond(request, stream, wire, bool(body.stream), probe)
 
 
 # -- request translation ---------------------------------------------------------------------
@@ -101,14 +116,7 @@ def _completion_prompt(state: ServerState, prompt: Any) -> list[int]:
             raise InvalidRequestError("prompt is empty; give at least one token of text")
         return list(state.tokenizer.encode(prompt))
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        if not prompt:
-            raise InvalidRequestError("prompt is empty; give at least one token id")
-        vocab = len(state.tokenizer)
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is not in the vocabulary "
-                                      f"[0, {vocab})")
-        return prompt
+        return check_token_ids(prompt, state.info.vocab_size)
     raise ApiError(400, "give one prompt per request (a string or a list of token ids)",
                    param="prompt")
 
@@ -139,125 +147,83 @@ def _sampling(state: ServerState, body: OpenAISampling, num_prompt_tokens: int,
               max_tokens: int | None, default_max_tokens: int | None = None,
               logprobs: int | None = None) -> SamplingParams:
     return state.sampling_params(
-        n=body.n,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        seed=body.seed,
-        stop=body.stop,
-        stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos,
-        skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        logprobs=logprobs,
-        max_tokens=state.max_tokens(max_tokens, num_prompt_tokens, default_max_tokens),
+        body, state.max_tokens(max_tokens, num_prompt_tokens, default_max_tokens),
+        n=body.n, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, stop=body.stop, logprobs=logprobs,
     )
 
 
 # -- responses -------------------------------------------------------------------------------
 
 
-class _Call:
-    """One completion or chat completion, answered whole or as server-sent events."""
+class _OpenAIWire:
+    """A completion's or chat completion's JSON and chunk shapes (see `responses.WireFormat`)."""
 
-    def __init__(self, state: ServerState, request: Request, prefix: str, obj: str,
-                 num_prompt_tokens: int, body: OpenAISampling, probe: Probe | None = None) -> None:
+    def __init__(self, state: ServerState, prefix: str, obj: str, num_prompt_tokens: int,
+                 body: OpenAISampling, probe: Probe | None, echo: str = "") -> None:
         self.state = state
         self.probe = probe  # the semantic cache's view of this request, if it looked it up
         self.headers = probe.headers if probe is not None else {}
-        self.request = request
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.chat = obj == "chat.completion"
         self.obj = obj
         self.created = int(time.time())
         self.num_prompt_tokens = num_prompt_tokens
-        self.stream = bool(body.stream)
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        self.sent_chars = 0
-        self.sent_tokens = 0
+        self.echo = echo
 
-    async def run(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-                  echo: str = "") -> JSONResponse | StreamingResponse:
-        gen: Generation | Replay
-        if self.probe is not None and self.probe.hit:
-            gen = self.probe.replay(self.id, prompt_ids)
+    async def started(self, first: RequestOutput) -> None:
+        return None
+
+    def whole(self, out: RequestOutput) -> dict[str, Any]:
+        completion = out.outputs[0]
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(out, 0, 0),
+                                  "finish_reason": completion.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": completion.text}
         else:
-            gen = self.state.start(prompt_ids, params, self.id, cache_salt)
-        try:
-            # The first output is awaited before answering so that refusals (queue full, too
-            # long for the pool) still get a proper status code.
-            first = await unless_disconnected(self.request, gen.next())
-            if not self.stream:
-                out = await unless_disconnected(self.request, gen.final(first))
-                if self.probe is not None:
-                    await self.probe.store(out)
-                return JSONResponse(self._response(out, echo), headers=self.headers)
-        except BaseException:
-            gen.close()
-            raise
-        finally:
-            if not self.stream:
-                gen.close()
-        return StreamingResponse(self._events(gen, first, echo), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", **self.headers})
+            choice["text"] = self.echo + completion.text
+        return {**self._envelope(self.obj), "choices": [choice], "usage": self._usage(out)}
 
-    async def _events(self, gen: Generation | Replay, out: RequestOutput,
-                      echo: str) -> AsyncIterator[str]:
-        try:
-            if self.chat:
-                yield self._chunk({"role": "assistant", "content": ""}, None, None)
-            elif echo:
-                yield self._chunk(echo, None, None)
-            while True:
-                completion = out.outputs[0]
-                text = completion.text[self.sent_chars:]
-                logprobs = self._logprobs(out, self.sent_tokens)
-                self.sent_chars = len(completion.text)
-                self.sent_tokens = len(completion.token_ids)
-                reason = completion.finish_reason if out.finished else None
-                if text or reason:
-                    yield self._chunk({"content": text} if self.chat else text, reason,
-                                      logprobs)
-                if out.finished:
-                    break
-                out = await gen.next()
-            if self.probe is not None:
-                await self.probe.store(out)
-            if self.include_usage:
-                yield _sse({**self._envelope(), "choices": [], "usage": self._usage(out)})
-        except Exception as err:  # noqa: BLE001 - the status line is gone; say it in-band
-            yield _sse(json.loads(from_exception(self.request.url.path, err).body))
-        finally:
-            gen.close()
+    def opening(self, first: RequestOutput) -> Iterable[str]:
+        if self.chat:
+            yield self._chunk({"role": "assistant", "content": ""}, None, None)
+        elif self.echo:
+            yield self._chunk(self.echo, None, None)
+
+    def delta(self, out: RequestOutput, text: str, sent_chars: int,
+              sent_tokens: int) -> Iterable[str]:
+        reason = out.outputs[0].finish_reason if out.finished else None
+        if text or reason:
+            logprobs = self._logprobs(out, sent_tokens, sent_chars)
+            yield self._chunk({"content": text} if self.chat else text, reason, logprobs)
+
+    def closing(self, out: RequestOutput) -> Iterable[str]:
+        if self.include_usage:
+            yield sse({**self._envelope(self._chunk_object), "choices": [],
+                       "usage": self._usage(out)})
+
+    def error(self, body: dict[str, Any]) -> str:
+        return sse(body)
+
+    def done(self) -> Iterable[str]:
         yield "data: [DONE]\n\n"
 
-    def _envelope(self) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else self.obj
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else self.obj
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.state.model_name}
 
     def _chunk(self, delta: Any, reason: str | None, logprobs: Any) -> str:
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": reason}
         choice["delta" if self.chat else "text"] = delta
-        chunk = {**self._envelope(), "choices": [choice]}
+        chunk = {**self._envelope(self._chunk_object), "choices": [choice]}
         if self.include_usage:
             chunk["usage"] = None
-        return _sse(chunk)
-
-    def _response(self, out: RequestOutput, echo: str) -> dict[str, Any]:
-        completion = out.outputs[0]
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(out, 0),
-                                  "finish_reason": completion.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": completion.text}
-        else:
-            choice["text"] = echo + completion.text
-        return {"id": self.id, "object": self.obj, "created": self.created,
-                "model": self.state.model_name, "choices": [choice], "usage": self._usage(out)}
+        return sse(chunk)
 
     def _usage(self, out: RequestOutput) -> dict[str, Any]:
         num_out = len(out.outputs[0].token_ids)
@@ -271,7 +237,8 @@ class _Call:
             usage["semantic_cache_hit"] = self.probe.hit
         return usage
 
-    def _logprobs(self, out: RequestOutput, start: int) -> dict[str, Any] | None:
+    def _logprobs(self, out: RequestOutput, start: int, offset: int) -> dict[str, Any] | None:
+        """Log-probs of output tokens from `start` on; `offset`: characters sent before."""
         completion = out.outputs[0]
         if completion.logprobs is None:
             return None
@@ -282,13 +249,9 @@ class _Call:
             return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
                                  "top_logprobs": []} for tok, lp in zip(tokens, values,
                                                                         strict=True)]}
-        offsets, offset = [], self.sent_chars if start else 0
+        offsets = []
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None,
                 "text_offset": offsets}
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

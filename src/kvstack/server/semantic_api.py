@@ -33,7 +33,6 @@ from kvstack.server.errors import ApiError
 logger = logging.getLogger("kvstack.server")
 
 HEADER = "x-kvstack-semantic-cache"
-_GREEDY_TEMPERATURE = 1e-5  # SamplingParams decodes greedily below this
 _LOOKUP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 router = APIRouter()
@@ -92,14 +91,15 @@ class SemanticService:
                    owned=True)
 
     async def probe(self, tenant: Tenant, api: str, key_text: str | None, context: Any,
-                    params: SamplingParams, requested_max_tokens: int | None,
+                    sampling_params: SamplingParams, requested_max_tokens: int | None,
                     opt_in: bool | None, user_salt: str | None) -> Probe | None:
         """Look the request up; None when it may not use the cache."""
-        deterministic = params.temperature < _GREEDY_TEMPERATURE or params.top_k == 1
-        if (opt_in is False or not key_text or not key_text.strip() or params.n != 1
-                or params.logprobs is not None or not (deterministic or opt_in)):
+        sp = sampling_params
+        deterministic = sp.greedy or sp.top_k == 1
+        if (opt_in is False or not key_text or not key_text.strip() or sp.n != 1
+                or sp.logprobs is not None or not (deterministic or opt_in)):
             return None
-        fields = dataclasses.asdict(params) | {"max_tokens": requested_max_tokens}
+        fields = dataclasses.asdict(sp) | {"max_tokens": requested_max_tokens}
         scope = Scope(tenant_id(tenant), self.model,
                       digest({"api": api, "context": context, "params": fields,
                               "salt": user_salt}))
@@ -151,8 +151,8 @@ class Probe:
 
 
 class Replay:
-    """A cached answer played back with `Generation`'s interface: cumulative outputs a word
-    at a time, so a hit streams like a model run (and no engine request exists to abort)."""
+    """A cached answer played back as an `OutputStream`: cumulative outputs a word at a
+    time, so a hit streams like a model run (and no engine request exists to abort)."""
 
     def __init__(self, answer: Answer, request_id: str, prompt_token_ids: list[int]) -> None:
         self.finished = False
@@ -175,12 +175,6 @@ class Replay:
                                       stop_reason=self._answer.stop_reason if last else None)
         return RequestOutput(self._request_id, None, self._prompt_token_ids, [completion], last,
                              0, self._metrics)
-
-    async def final(self, first: RequestOutput | None = None) -> RequestOutput:
-        out = first
-        while out is None or not out.finished:
-            out = await self.next()
-        return out
 
     def close(self) -> None:
         self.finished = True

@@ -1,6 +1,7 @@
 """Weight loaders: GGUF and safetensors -> one Checkpoint in Hugging Face names and layout."""
 
-from kvstack.weights.checkpoint import Checkpoint, load_checkpoint
+from kvstack.weights.checkpoint import Checkpoint
+from kvstack.weights.load import load_checkpoint
 from kvstack.weights.resolve import EMBEDDED_MODEL, resolve_model
 
 __all__ = ["EMBEDDED_MODEL", "Checkpoint", "load_checkpoint", "resolve_model"]

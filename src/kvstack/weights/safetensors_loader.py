@@ -9,13 +9,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from kvstack.errors import ModelLoadError
+from kvstack.errors import ModelLoadError, one_line
 from kvstack.weights.checkpoint import (
     Checkpoint,
     check_tensors,
     fingerprint_files,
     model_config_from_hf,
-    one_line,
 )
 
 _INDEX = "model.safetensors.index.json"

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvstack.bench.common import BenchOptions, TableRow, fmt, fmt_x, save_figure
-
-if TYPE_CHECKING:
-    from kvstack.bench.peers.case import Workloads
+from kvstack.bench.peers.workloads import Workloads
 
 WORKLOADS = ("decode", "prefill", "batch")
 PEERS = ("transformers", "llamacpp")

@@ -18,6 +18,14 @@ import torch
 from kvstack.config import ModelConfig
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """'float32' -> torch.float32: the one map from dtype names in configs to torch dtypes."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
 def gather(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """t[slots] for a [slots, ...] tensor: rows copied whole by `index_select` on a 2-D view,
     several times faster than advanced indexing, which copies element by element."""

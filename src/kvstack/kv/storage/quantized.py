@@ -14,8 +14,6 @@ of q.k with only 3 mantissa bits); rotated, the energy spreads over all channels
 embedded model (4,096 held-out tokens) it takes the perplexity increase of fp8 from 1.10% to
 0.33%, and int8's greedy agreement with the float32 cache from 45% to ~70% of tokens. The
 rotation costs attention two [D, D] products on queries and outputs, not one per cached token.
-
-`make_kv_storage` picks the storage class of a KV dtype.
 """
 
 from __future__ import annotations
@@ -24,14 +22,12 @@ import torch
 
 from kvstack.config import ModelConfig
 from kvstack.kv.storage.base import KVCacheStorage, gather
-from kvstack.kv.storage.int4 import Int4KVStorage
 
 # Below this a float16 scale goes subnormal and loses precision; rows that small (|x| < 8e-3)
 # are quantized in steps of 6e-5 instead.
 MIN_SCALE = 2.0**-14
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -120,14 +116,3 @@ class QuantizedKVStorage(KVCacheStorage):
         # Per layer: K/V codes, then their scales.
         start, end = block_id * self.block_size, (block_id + 1) * self.block_size
         return [t[start:end] for pair in zip(self.kv, self.scale, strict=True) for t in pair]
-
-
-def make_kv_storage(model: ModelConfig, num_blocks: int, block_size: int, kv_dtype: str,
-                    compute_dtype: torch.dtype, max_num_seqs: int) -> KVCacheStorage:
-    """The storage of a resolved KV dtype (`kv/kv_dtype.py`): float, int8/fp8 or int4."""
-    if kv_dtype in _FLOAT_DTYPES:
-        return KVCacheStorage(model, num_blocks, block_size, _FLOAT_DTYPES[kv_dtype],
-                              compute_dtype)
-    if kv_dtype == "int4":
-        return Int4KVStorage(model, num_blocks, block_size, compute_dtype, max_num_seqs)
-    return QuantizedKVStorage(model, num_blocks, block_size, kv_dtype, compute_dtype)

@@ -48,10 +48,6 @@ class TierStats:
             self.faults[kind] = self.faults.get(kind, 0) + 1
 
     @property
-    def num_faults(self) -> int:
-        return sum(self.faults.values())
-
-    @property
     def load_bytes_per_s(self) -> float | None:
         """Load bandwidth: payload bytes over time spent loading and checking them."""
         return self.bytes_loaded / self.load_seconds if self.load_seconds else None

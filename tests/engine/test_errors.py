@@ -282,7 +282,7 @@ def test_text_prompt_without_tokenizer(tiny_folder: Path) -> None:
 
 
 def test_cli_unknown_model_exits_2_with_one_stderr_line() -> None:
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get(
         "PYTHONPATH")]))}
     result = subprocess.run(

@@ -27,7 +27,7 @@ from kvstack.bench.peers import transformers_model
 from kvstack.engine.core import LLMEngine
 from kvstack.engine.tokenizer import load_tokenizer
 from kvstack.kv.storage.base import KVCacheStorage
-from kvstack.models import model_class
+from kvstack.models import family_of
 from kvstack.weights import Checkpoint, load_checkpoint
 
 # Max |ours - transformers| on logits (fp32, same weights; the embedded model's logits reach
@@ -162,7 +162,7 @@ def test_embedded_float64_matches_transformers_float64(
     """The same engine paths in float64: what is left is the math, not rounding."""
     llm = LLM(kv_cache_memory="64MiB", max_num_batched_tokens=40, skip_tokenizer_init=True)
     ckpt = embedded_checkpoint
-    model = model_class(ckpt.config.architecture)(ckpt.config, torch.float64)
+    model = family_of(ckpt.config.architecture).create(ckpt.config, torch.float64, None, True)
     model.load_weights(ckpt.tensors)
     storage = llm.engine.kv_storage
     kv = KVCacheStorage(ckpt.config, storage.num_blocks, storage.block_size, torch.float64)

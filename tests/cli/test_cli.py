@@ -140,7 +140,7 @@ def test_chat_reuses_the_previous_turns_blocks(
 
 
 def test_python_dash_m_help() -> None:
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get(
         "PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-m", "kvstack", "--help"], capture_output=True,

@@ -89,7 +89,7 @@ def test_greedy_with_and_without_kv_cache_equals_transformers(
 def request_slots(engine: LLMEngine, request: Request, num_tokens: int) -> torch.Tensor:
     """Slots of the request's first num_tokens positions, from its block table."""
     bs = engine.kv_storage.block_size
-    blocks = torch.tensor([b.block_id for b in request.blocks])
+    blocks = torch.tensor(engine.kv_manager.block_ids(request.request_id))
     return (blocks[:, None] * bs + torch.arange(bs)).flatten()[:num_tokens]
 
 
@@ -117,7 +117,8 @@ def test_cached_kv_is_never_rewritten(llm: LLM, prompts: list[list[int]]) -> Non
         engine.step()
     assert len(first.output_token_ids) == 31 and not (first.finished or sharer.finished)
     assert sharer.num_cached_tokens == 64
-    assert [b.block_id for b in sharer.blocks[:4]] == [b.block_id for b in first.blocks[:4]]
+    kv = engine.kv_manager
+    assert kv.block_ids(sharer.request_id)[:4] == kv.block_ids(first.request_id)[:4]
     for layer, ((k0, v0), (k1, v1)) in enumerate(zip(before, snapshot(engine, slots),
                                                      strict=True)):
         assert torch.equal(k0, k1) and torch.equal(v0, v1), f"layer {layer}"

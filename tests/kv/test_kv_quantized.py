@@ -17,8 +17,8 @@ from kvstack.config import ModelConfig
 from kvstack.errors import InvalidRequestError
 from kvstack.eval.quality import greedy_agreement, greedy_outputs
 from kvstack.kv.sizing import KVShape
+from kvstack.kv.storage import make_kv_storage
 from kvstack.kv.storage.int4 import Int4KVStorage
-from kvstack.kv.storage.quantized import make_kv_storage
 from kvstack.kv.tiers.codec import BlockFault, BlockFormat
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -243,7 +243,7 @@ def test_cli_refuses_bad_windows_in_one_line(capsys: pytest.CaptureFixture[str],
 
 def test_the_server_does_not_refuse_long_conversations_in_window_mode() -> None:
     from kvstack.errors import PromptTooLongError
-    from kvstack.server.app import ServerState
+    from kvstack.server.state import ServerState
 
     state = ServerState.__new__(ServerState)  # only its context arithmetic is under test
     state.max_model_len, state.pool_tokens, state.unbounded_context = 128, 4096, True

@@ -61,11 +61,11 @@ def check_step_accounting(llm: LLM) -> None:
     requests hold (shared prefix blocks counted once); waiting requests hold none."""
     llm.engine.check_integrity()
     s = llm.stats()
-    sched = llm.engine.scheduler
-    held = {b.block_id for r in sched.running for b in r.blocks}
+    sched, kv = llm.engine.scheduler, llm.engine.kv_manager
+    held = {i for r in sched.running for i in kv.block_ids(r.request_id)}
     assert s.num_blocks_used == len(held)
     assert s.num_blocks_free + s.num_blocks_used == s.num_blocks_total
-    assert all(not r.blocks for r in sched.waiting)
+    assert all(not kv.block_ids(r.request_id) for r in sched.waiting)
     assert (s.num_requests_running, s.num_requests_waiting) == (len(sched.running),
                                                                  len(sched.waiting))
 
@@ -306,17 +306,17 @@ def test_too_big_request_is_refused_while_others_keep_running(
 
 def test_engine_abort_frees_blocks_at_once(expected: list[list[int]]) -> None:
     llm = make_llm()
-    engine = llm.engine
+    engine, kv = llm.engine, llm.engine.kv_manager
     long = engine.add_request(PROMPTS[4], GREEDY, request_id="long")
     keep = engine.add_request(PROMPTS[0], GREEDY, request_id="keep")
     for _ in range(3):
         engine.step()
     check_step_accounting(llm)
-    assert len(long.blocks) == 7  # 110 prompt + 2 output tokens computed
+    assert len(kv.block_ids(long.request_id)) == 7  # 110 prompt + 2 output tokens computed
     used = llm.stats().num_blocks_used
-    assert used == len(long.blocks) + len(keep.blocks) == 7 + 4
+    assert used == len(kv.block_ids("long")) + len(kv.block_ids(keep.request_id)) == 7 + 4
     engine.abort("long")
-    assert llm.stats().num_blocks_used == used - 7 and long.blocks == []
+    assert llm.stats().num_blocks_used == used - 7 and kv.block_ids(long.request_id) == []
     assert long.finish_reason == "abort"
     check_step_accounting(llm)
     waiting = engine.add_request(PROMPTS[3], GREEDY, request_id="never-run")

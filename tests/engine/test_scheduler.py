@@ -51,7 +51,7 @@ def make_request(
         request_id=request_id,
         prompt=None,
         prompt_token_ids=ids,
-        params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
         max_tokens=max_tokens,
         detokenizer=IncrementalDetokenizer(NullDecoder(), ids),
         cache_salt=cache_salt,
@@ -96,7 +96,7 @@ class FakeEngine:
 
     def _slot(self, request: Request, pos: int) -> int:
         bs = self.block_size
-        return request.blocks[pos // bs].block_id * bs + pos % bs
+        return self.kv.blocks(request.request_id)[pos // bs].block_id * bs + pos % bs
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
@@ -107,7 +107,7 @@ class FakeEngine:
             r = s.request
             tokens = r.token_ids()
             for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
-                block = r.blocks[pos // self.block_size]
+                block = self.kv.blocks(r.request_id)[pos // self.block_size]
                 assert block.block_hash is None, "write into a published (shared) block"
                 assert block.ref_cnt == 1, "write into a block another request holds"
                 self.slots[self._slot(r, pos)] = tokens[pos]
@@ -121,6 +121,7 @@ class FakeEngine:
             assert context == r.token_ids()[:end], "block table reads the wrong K/V"
             sampled.append(next_token(context) if reaches_end else None)
         self.scheduler.after_step(out)
+        self._record_hashes(out)
         for s, token in zip(out.scheduled, sampled, strict=True):
             if token is None:
                 continue
@@ -128,6 +129,16 @@ class FakeEngine:
             if len(s.request.output_token_ids) >= s.request.max_tokens:
                 self.scheduler.finish(s.request, "length")
         return out
+
+    def _record_hashes(self, out: SchedulerOutput) -> None:
+        """The tokens each block hash was computed from, while the request still holds its
+        table (a request's table goes when it finishes)."""
+        bs = self.block_size
+        for s in out.scheduled:
+            r = s.request
+            for i, block_hash in enumerate(self.kv.block_hashes(r.request_id)):
+                tokens = r.token_ids()[i * bs : (i + 1) * bs]
+                assert self.hashed_tokens.setdefault(block_hash, tokens) == tokens
 
     def _check_plan(self, out: SchedulerOutput) -> None:
         config = self.scheduler.config
@@ -139,7 +150,9 @@ class FakeEngine:
         for s in out.scheduled:
             r = s.request
             assert r.num_computed_tokens + s.num_new_tokens <= r.num_tokens
-            assert len(r.blocks) * self.block_size >= r.num_computed_tokens + s.num_new_tokens
+            assert s.block_ids == self.kv.block_ids(r.request_id), "stale block ids planned"
+            held = len(s.block_ids) * self.block_size
+            assert held >= r.num_computed_tokens + s.num_new_tokens
 
     def run(self, max_steps: int = 2000) -> None:
         for _ in range(max_steps):
@@ -157,27 +170,26 @@ class FakeEngine:
         holders: dict[int, int] = {}
         for r in sched.running:
             assert r.status is RequestStatus.RUNNING
-            assert len({b.block_id for b in r.blocks}) == len(r.blocks)
+            blocks = self.kv.blocks(r.request_id)
+            assert len({b.block_id for b in blocks}) == len(blocks)
             # Exactly the blocks its computed tokens need: no leak, no over-allocation.
-            assert len(r.blocks) == -(-r.num_computed_tokens // bs)
-            for b in r.blocks:
+            assert len(blocks) == -(-r.num_computed_tokens // bs)
+            for b in blocks:
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
         for r in sched.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert r.blocks == [] and r.num_computed_tokens == 0
+            assert self.kv.blocks(r.request_id) == [] and r.num_computed_tokens == 0
         for r in self.requests:
             if r.finished:
-                assert r.blocks == [] and r not in sched.running and r not in sched.waiting
+                assert self.kv.blocks(r.request_id) == [] and r not in sched.running
+                assert r not in sched.waiting
         # Beyond its running holders a block has at most one reference: a prefix pin.
         pinned = [b.ref_cnt - holders.get(b.block_id, 0) for b in pool.blocks]
         assert set(pinned) <= {0, 1}, "a block's ref count is not its holders (+1 if pinned)"
         assert sum(pinned) == len(self.kv.pins)
         self.kv.pins.check_integrity()
         # A published block holds exactly the tokens its hash was computed from.
-        for r in self.requests:
-            for i, block_hash in enumerate(r.block_hashes):
-                tokens = r.token_ids()[i * bs : (i + 1) * bs]
-                assert self.hashed_tokens.setdefault(block_hash, tokens) == tokens
+        self.kv.check_integrity()
         for b in pool.blocks:
             if b.block_hash is not None:
                 content = [self.slots.get(b.block_id * bs + j) for j in range(bs)]
@@ -246,10 +258,11 @@ def test_prefix_hit_reuses_full_blocks_and_counts_queries() -> None:
     b = eng.add("B", shared + [30, 31, 32], 2)
     eng.step()
     assert b.num_cached_tokens == 8 and eng.trace[-1] == [("B", 5)]
-    assert [blk.block_hash for blk in b.blocks[:2]] == a.block_hashes[:2]
+    a_hashes = eng.kv.prefix_hashes(a.token_ids(), None)  # A's table went when it finished
+    assert [blk.block_hash for blk in eng.kv.blocks(b.request_id)[:2]] == a_hashes[:2]
     eng.run()
     assert b.output_token_ids == reference(shared + [30, 31, 32], 2)
-    assert (eng.kv.num_query_tokens, eng.kv.num_hit_tokens) == (12 + 13, 8)
+    assert (eng.kv.prefix_cache_query_tokens, eng.kv.prefix_cache_hit_tokens) == (12 + 13, 8)
     eng.check()
 
 
@@ -260,8 +273,8 @@ def test_prefix_shared_between_running_requests() -> None:
     b = eng.add("B", list(range(12)) + [1], 3)
     eng.step()
     assert b.num_cached_tokens == 12
-    assert [blk.block_id for blk in b.blocks[:3]] == [blk.block_id for blk in a.blocks[:3]]
-    assert all(blk.ref_cnt == 2 for blk in a.blocks[:3])
+    assert eng.kv.block_ids(b.request_id)[:3] == eng.kv.block_ids(a.request_id)[:3]
+    assert all(blk.ref_cnt == 2 for blk in eng.kv.blocks(a.request_id)[:3])
     eng.check()
     eng.run()
     assert a.output_token_ids == reference(range(12), 6)
@@ -308,7 +321,8 @@ def test_without_prefix_caching_nothing_is_published_or_hit() -> None:
     b = eng.add("B", range(12), 2)
     eng.run()
     assert b.num_cached_tokens == 0 and eng.pool.num_cached_free == 0
-    assert (eng.kv.num_query_tokens, eng.kv.num_hit_tokens) == (24, 0)  # hit rate 0
+    kv = eng.kv
+    assert (kv.prefix_cache_query_tokens, kv.prefix_cache_hit_tokens) == (24, 0)  # hit rate 0
     assert b.output_token_ids == reference(range(12), 2)
     eng.check()
 
@@ -364,7 +378,7 @@ def test_request_preempts_itself_when_every_other_is_planned() -> None:
     eng.step()
     eng.step()
     assert eng.trace[-1] == [("A", 1), ("B", 1), ("C", 1)]
-    assert d.status is RequestStatus.PREEMPTED and d.blocks == []
+    assert d.status is RequestStatus.PREEMPTED and eng.kv.blocks(d.request_id) == []
     assert eng.scheduler.num_preemptions == 1
     eng.check()
 
@@ -407,7 +421,7 @@ def test_finish_frees_blocks_of_running_waiting_and_preempted_requests() -> None
         eng.step()
     assert b.status is RequestStatus.PREEMPTED
     late = eng.add("C", [7, 7], 4)
-    held = len(a.blocks)
+    held = len(eng.kv.blocks(a.request_id))
     assert eng.pool.num_in_use == held == 4
     eng.scheduler.finish(b, "abort")
     eng.scheduler.finish(late, "abort")
@@ -422,7 +436,7 @@ def test_finish_frees_blocks_of_running_waiting_and_preempted_requests() -> None
 
 def test_no_kv_cache_baseline_recomputes_every_token() -> None:
     config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8)
-    sched = Scheduler(config, kv=None)
+    sched = Scheduler(config, kv_manager=None)
     a, b, c = (make_request(n, range(5), 4) for n in "abc")
     for r in (a, b, c):
         sched.add(r)
@@ -580,21 +594,25 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         pool = self.kv.pool
         return (
             pool.num_free, pool.num_cached_free, [b.ref_cnt for b in pool.blocks],
-            [b.block_hash for b in pool.blocks], self.kv.num_query_tokens, len(self.kv.pins),
+            [b.block_hash for b in pool.blocks], self.kv.prefix_cache_query_tokens,
+            len(self.kv.pins),
         )
 
     def _allocate(self, request: Request, num_new: int, hit: PrefixHit | None = None) -> bool:
         before = self._snapshot()
-        blocks, computed = list(request.blocks), request.num_computed_tokens
+        blocks, computed = list(self.kv.blocks(request.request_id)), request.num_computed_tokens
         if not self.kv.allocate(request, num_new, hit):
             assert self._snapshot() == before, "a refused allocate changed the pool"
-            assert request.blocks == blocks and request.num_computed_tokens == computed
+            assert self.kv.blocks(request.request_id) == blocks
+            assert request.num_computed_tokens == computed
             return False
+        if hit is not None:  # the caller (the scheduler) counts a hit as computed
+            request.num_computed_tokens += hit.num_tokens
         # Compute: write the new tokens into their slots, then publish full blocks.
         tokens = request.token_ids()
         start = request.num_computed_tokens
         for pos in range(start, start + num_new):
-            block = request.blocks[pos // self.bs]
+            block = self.kv.blocks(request.request_id)[pos // self.bs]
             assert block.block_hash is None and block.ref_cnt == 1
             self.slots[block.block_id * self.bs + pos % self.bs] = tokens[pos]
         request.num_computed_tokens += num_new
@@ -610,7 +628,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         hit = self.kv.match_prefix(request)
         assert hit.num_tokens == len(hit.blocks) * self.bs < request.num_tokens
         for i, block in enumerate(hit.blocks):
-            assert block.block_hash == request.block_hashes[i]
+            assert block.block_hash == hit.block_hashes[i]
             content = [self.slots[block.block_id * self.bs + j] for j in range(self.bs)]
             assert content == prompt[i * self.bs : (i + 1) * self.bs]
         num_new = data.draw(st.integers(1, request.num_tokens - hit.num_tokens))
@@ -631,8 +649,10 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         request = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
-        self.kv.free(request)
-        assert request.blocks == [] and request.num_computed_tokens == 0
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0  # as the scheduler does
+        assert self.kv.blocks(request.request_id) == []
+        assert self.kv.block_hashes(request.request_id) == []  # the table went with it
 
     @rule()
     def reset_prefix_cache(self) -> None:
@@ -654,19 +674,20 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         pool.check_integrity()
         holders: dict[int, int] = {}
         for r in self.held:
-            assert len(r.blocks) == -(-r.num_computed_tokens // self.bs)
-            for b in r.blocks:
+            assert len(self.kv.blocks(r.request_id)) == -(-r.num_computed_tokens // self.bs)
+            for b in self.kv.blocks(r.request_id):
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
         pinned = [b.ref_cnt - holders.get(b.block_id, 0) for b in pool.blocks]
         assert set(pinned) <= {0, 1} and sum(pinned) == len(self.kv.pins)
         self.kv.pins.check_integrity()
         if not self.kv.enable_prefix_caching:
             assert all(b.block_hash is None for b in pool.blocks)
-        assert self.kv.num_hit_tokens <= self.kv.num_query_tokens
+        assert self.kv.prefix_cache_hit_tokens <= self.kv.prefix_cache_query_tokens
 
     def teardown(self) -> None:
         for request in self.held:
-            self.kv.free(request)
+            self.kv.free(request.request_id)
+        self.kv.check_integrity()
         self.kv.pins.expire(float("inf"))
         self.kv.pool.check_integrity()
         assert self.kv.pool.num_in_use == 0

@@ -16,7 +16,7 @@ BS = 4
 def make_request(request_id: str, prompt: Sequence[int], salt: str | None = None) -> Request:
     ids = list(prompt)
     return Request(request_id=request_id, prompt=None, prompt_token_ids=ids,
-                   params=SamplingParams(max_tokens=1), max_tokens=1,
+                   sampling_params=SamplingParams(max_tokens=1), max_tokens=1,
                    detokenizer=IncrementalDetokenizer(NullDecoder(), ids), cache_salt=salt)
 
 
@@ -27,7 +27,7 @@ def cache_prompt(kv: KVCacheManager, prompt: Sequence[int], salt: str | None = N
     assert kv.allocate(request, len(prompt) - hit.num_tokens, hit)
     request.num_computed_tokens = len(prompt)
     kv.cache_computed_blocks(request)
-    kv.free(request)
+    kv.free(request.request_id)
 
 
 def hit_tokens(kv: KVCacheManager, prompt: Sequence[int], salt: str | None = None) -> int:
@@ -104,7 +104,7 @@ def test_a_request_short_of_blocks_gets_them_from_pins_all_or_nothing() -> None:
     # Needing 3 more with only 2 pins to give: no pin is lapsed in vain.
     assert not kv.allocate(running, 3 * BS)
     assert len(kv.pins) == 2
-    kv.free(running)
+    kv.free(running.request_id)
     kv.pool.check_integrity()
     kv.pins.check_integrity()
 
@@ -117,8 +117,8 @@ def test_a_prefix_hit_on_pinned_blocks_keeps_them_pinned() -> None:
     hit = kv.match_prefix(request)
     assert hit.num_tokens == 12
     assert kv.allocate(request, request.num_tokens - hit.num_tokens, hit)
-    assert all(b.ref_cnt == 2 for b in request.blocks[:3])
-    kv.free(request)
+    assert all(b.ref_cnt == 2 for b in kv.blocks(request.request_id)[:3])
+    kv.free(request.request_id)
     assert kv.pool.num_in_use == 3
     kv.pool.check_integrity()
 
@@ -128,8 +128,8 @@ def test_unpin_lapses_at_once_and_ignores_blocks_not_pinned() -> None:
     cache_prompt(kv, PROMPT)
     kv.pin_prefix(PROMPT, None, 10.0)
     request = make_request("probe", PROMPT)
-    kv.match_prefix(request)  # fills request.block_hashes
-    assert kv.pins.unpin(request.block_hashes[1:]) == 2
-    assert kv.pins.unpin(request.block_hashes) == 1
+    hashes = kv.match_prefix(request).block_hashes  # of the request's full blocks
+    assert kv.pins.unpin(hashes[1:]) == 2
+    assert kv.pins.unpin(hashes) == 1
     assert (len(kv.pins), kv.pool.num_in_use) == (0, 0)
     kv.pool.check_integrity()

@@ -1,0 +1,105 @@
+"""Everything an engine is made of, built from its config: weights, tokenizer, model, the KV
+storage, the tiers below it and the KV manager over them."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstack.config import EngineConfig, ModelConfig
+from kvstack.engine.tokenizer import load_tokenizer
+from kvstack.errors import InvalidRequestError
+from kvstack.kv.dtypes import resolve
+from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.sizing import KVShape
+from kvstack.kv.storage import KVCacheStorage, make_kv_storage, torch_dtype
+from kvstack.kv.tiers.chain import TierChain, build_tiers
+from kvstack.kv.tiers.codec import BlockFormat
+from kvstack.kv.window import SlidingWindow
+from kvstack.models import CausalLM, family_of
+from kvstack.weights import Checkpoint, load_checkpoint
+
+
+@dataclass
+class EngineParts:
+    model_config: ModelConfig
+    model: CausalLM
+    tokenizer: Any | None  # a transformers tokenizer; None with skip_tokenizer_init
+    fingerprint: str  # names weights, tokenizer, dtype, weight format, KV dtype and attention
+    kv_cache_dtype: str  # resolved: never "auto"
+    window: SlidingWindow | None
+    kv_shape: KVShape | None = None
+    kv_storage: KVCacheStorage | None = None
+    kv_manager: KVCacheManager | None = None
+    kv_tiers: TierChain | None = None
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    ckpt = load_checkpoint(config.model)
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(ckpt)
+    model = family_of(ckpt.config.architecture).create(
+        ckpt.config, torch_dtype(config.dtype), config.quantization, config.kernels == "auto"
+    )
+    model.load_weights(ckpt.tensors)
+    cache = config.cache
+    kv_cache_dtype = resolve(cache.kv_cache_dtype, config.dtype)
+    window = (SlidingWindow(cache.kv_window, cache.kv_sink_tokens, cache.block_size)
+              if cache.kv_window is not None else None)
+    if window is not None and window.window > ckpt.config.max_model_len:
+        raise InvalidRequestError(
+            f"kv_window {window.window} is longer than the model's context "
+            f"({ckpt.config.max_model_len} tokens); give a smaller kv_window"
+        )
+    parts = EngineParts(ckpt.config, model, tokenizer,
+                        fingerprint(ckpt, config, kv_cache_dtype, window), kv_cache_dtype, window)
+    if cache.use_kv_cache:
+        _build_kv(parts, config)
+    return parts
+
+
+def fingerprint(ckpt: Checkpoint, config: EngineConfig, kv_cache_dtype: str,
+                window: SlidingWindow | None) -> str:
+    """Blocks are only shared between engines with the same weights, tokenizer, dtype and
+    weight format (int8 weights give other K/V), KV dtype and attention (window mode). The
+    default KV dtype (the model's) keeps the fingerprint it always had."""
+    text = f"{ckpt.fingerprint}|{config.dtype}"
+    if config.quantization:
+        text += f"|{config.quantization}"
+    if kv_cache_dtype != config.dtype:
+        text += f"|kv={kv_cache_dtype}"
+    if window is not None:
+        text += f"|window={window.window},{window.sink_tokens}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _build_kv(parts: EngineParts, config: EngineConfig) -> None:
+    """The K/V storage sized to the budget, the tiers below it and the manager over both."""
+    cache = config.cache
+    shape = KVShape.of(parts.model_config, parts.kv_cache_dtype, block_size=cache.block_size,
+                       model_dtype=config.dtype, window=cache.kv_window,
+                       sink_tokens=cache.kv_sink_tokens)
+    max_num_seqs = config.scheduler.max_num_seqs
+    num_blocks = shape.num_blocks_for_budget(cache.kv_cache_memory, max_num_seqs=max_num_seqs)
+    if num_blocks < 1:
+        raise InvalidRequestError(
+            f"kv_cache_memory {cache.kv_cache_memory} B holds no block of "
+            f"{shape.bytes_per_block} B (plus {shape.window_pool_bytes(max_num_seqs)} B "
+            "of int4 window); raise kv_cache_memory"
+        )
+    storage = make_kv_storage(parts.model_config, num_blocks, cache.block_size,
+                              parts.kv_cache_dtype, torch_dtype(config.dtype), max_num_seqs)
+    block_format = BlockFormat(parts.fingerprint, parts.kv_cache_dtype, shape.num_layers,
+                               shape.num_kv_heads, shape.head_dim, cache.block_size)
+    parts.kv_shape = shape
+    parts.kv_storage = storage
+    parts.kv_tiers = build_tiers(cache, block_format, storage)
+    parts.kv_manager = KVCacheManager(
+        num_blocks, cache.block_size, cache.enable_prefix_caching and parts.window is None,
+        parts.fingerprint, int(num_blocks * cache.max_pinned_fraction), parts.kv_tiers,
+        parts.window, storage.release,
+    )

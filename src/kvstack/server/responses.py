@@ -1,0 +1,112 @@
+"""One response lifecycle for both APIs.
+
+`respond` starts from an `OutputStream` (a model run or a semantic-cache replay), waits for
+the first output before answering (so refusals such as a full queue still get their status
+code), then answers whole or as server-sent events, storing a finished answer in the semantic
+cache when the request looked it up. The stream is closed (the engine request aborted) on
+every path: an error, a client that leaves, a finished answer. Each API supplies a
+`WireFormat` that writes its own JSON shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvstack.outputs import RequestOutput
+from kvstack.server.errors import from_exception
+from kvstack.server.generation import OutputStream, final_output, unless_disconnected
+from kvstack.server.semantic_api import Probe
+
+
+class WireFormat(Protocol):
+    """How one API writes a response."""
+
+    headers: dict[str, str]  # extra response headers (the semantic cache's hit/miss)
+
+    async def started(self, first: RequestOutput) -> None:
+        """The first output is out (the prompt is computed and cached)."""
+        ...
+
+    def whole(self, out: RequestOutput) -> dict[str, Any]:
+        """The non-streaming response body of a finished output."""
+        ...
+
+    def opening(self, first: RequestOutput) -> Iterable[str]:
+        """SSE events before the first text."""
+        ...
+
+    def delta(self, out: RequestOutput, text: str, sent_chars: int,
+              sent_tokens: int) -> Iterable[str]:
+        """Events for what `out` adds: `text` past the `sent_chars` characters and
+        `sent_tokens` tokens already sent (and the finish reason once it is finished)."""
+        ...
+
+    def closing(self, out: RequestOutput) -> Iterable[str]:
+        """Events after the finished output (usage, stop reasons)."""
+        ...
+
+    def error(self, body: dict[str, Any]) -> str:
+        """An in-band error event: the status line is long gone once a stream has begun."""
+        ...
+
+    def done(self) -> Iterable[str]:
+        """Events that end every stream, after an error too."""
+        ...
+
+
+async def respond(request: Request, stream: OutputStream, wire: WireFormat, streaming: bool,
+                  probe: Probe | None) -> JSONResponse | StreamingResponse:
+    try:
+        first = await unless_disconnected(request, stream.next())
+        await wire.started(first)
+        if not streaming:
+            out = await unless_disconnected(request, final_output(stream, first))
+            if probe is not None:
+                await probe.store(out)
+            return JSONResponse(wire.whole(out), headers=wire.headers)
+    except BaseException:
+        stream.close()
+        raise
+    finally:
+        if not streaming:
+            stream.close()
+    return StreamingResponse(_events(request, stream, wire, first, probe),
+                             media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", **wire.headers})
+
+
+async def _events(request: Request, stream: OutputStream, wire: WireFormat,
+                  out: RequestOutput, probe: Probe | None) -> AsyncIterator[str]:
+    try:
+        for event in wire.opening(out):
+            yield event
+        sent_chars = sent_tokens = 0
+        while True:
+            completion = out.outputs[0]
+            for event in wire.delta(out, completion.text[sent_chars:], sent_chars, sent_tokens):
+                yield event
+            sent_chars, sent_tokens = len(completion.text), len(completion.token_ids)
+            if out.finished:
+                break
+            out = await stream.next()
+        if probe is not None:
+            await probe.store(out)
+        for event in wire.closing(out):
+            yield event
+    except Exception as err:  # noqa: BLE001 - the status line is gone; say it in-band
+        yield wire.error(json.loads(from_exception(request.url.path, err).body))
+    finally:
+        stream.close()
+    for event in wire.done():
+        yield event
+
+
+def sse(payload: dict[str, Any], event: str | None = None) -> str:
+    """One server-sent event carrying `payload` as JSON."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(payload, ensure_ascii=False)}\n\n"
