@@ -67,3 +67,6 @@ class RequestOutput:
     metrics: RequestMetrics
     # With `prompt_logprobs`: log P(prompt[i] | prompt[:i]) for each i (None for the first).
     prompt_logprobs: list[float | None] | None = None
+    # Draft tokens verified for this request (fed to the model) and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -61,6 +61,10 @@ class SamplingParams:
     `prompt_logprobs` (0 or 1, same meaning) asks for the log-probability of each prompt token
     given the tokens before it (perplexity); such a request computes its whole prompt, so it
     neither takes nor needs a prefix-cache hit.
+    `prompt_lookup=N` drafts up to N tokens at each step by copying what followed the last few
+    tokens where they occurred earlier in the prompt or output; the engine verifies drafts, so
+    a greedy output is the one it would be without them (`drafts/`). Greedy requests without
+    penalties only: other requests ignore drafts.
     """
 
     n: int = 1
@@ -80,6 +84,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_lookup: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, "equal to 1 (parallel samples are not supported)",
@@ -102,11 +107,20 @@ class SamplingParams:
         self.stop_token_ids = _normalized_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
+        _check_int("prompt_lookup", self.prompt_lookup, "in [1, 64] or null",
+                   lambda n: 1 <= n <= 64, allow_none=True)
 
     @property
     def greedy(self) -> bool:
         """True when the next token is the argmax of the (penalized) logits."""
         return self.temperature < _GREEDY_TEMPERATURE
+
+    @property
+    def verifies_drafts(self) -> bool:
+        """True when draft tokens can be checked against this request's own choice: greedy,
+        no penalties (a penalty would make each draft position's choice depend on the
+        accepted ones before it)."""
+        return self.greedy and not self.has_penalties
 
     @property
     def has_penalties(self) -> bool:

@@ -26,7 +26,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in
     "kernels",
     "kv",
     "semantic",
-    "layers",
+    "layers drafts",
     "models",
     "weights",
     "engine",

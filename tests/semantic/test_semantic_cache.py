@@ -265,7 +265,8 @@ def test_semantic_flags_need_the_switch_and_eval_is_a_group(
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     directory = tmp_path_factory.mktemp("semantic")
     args = ["--kv-cache-memory", "64MiB", "--threads", "1", "--api-key", KEY_A, "--api-key",
-            KEY_B, "--semantic-cache", "--semantic-dir", str(directory)]
+            KEY_B, "--semantic-cache", "--semantic-cache-mode", "trust", "--semantic-dir",
+            str(directory)]
     holder = {"args": args, "dir": directory, "log": directory / "log.txt"}
     holder["server"] = start_server(args, holder["log"])
     yield holder

@@ -57,9 +57,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "greedy requests only unless a request sends \"semantic_cache\": true")
     semantic.add_argument("--semantic-cache", action="store_true",
                           help="turn the semantic cache on (needs the 'semantic' extra)")
+    semantic.add_argument("--semantic-cache-mode", choices=("verify", "trust"), default=None,
+                          help="verify (default): a hit's stored answer is a draft the model "
+                          "checks in one step, so answers are always the model's own; trust: "
+                          "a hit is served as stored (APPROXIMATE: a near-miss that passes "
+                          "serves a wrong answer, but no model run at all)")
     semantic.add_argument("--semantic-threshold", type=positive_float, default=None,
                           metavar="X", help="cosine similarity a hit needs, in (0, 1] "
-                          "(default: the one `kvstack eval semantic` recommends)")
+                          "(default: the mode's, as `kvstack eval semantic` and `kvstack bench "
+                          "verify` recommend)")
     semantic.add_argument("--semantic-dir", default=None, metavar="DIR",
                           help="where entries persist across restarts (default: "
                           "$KVSTACK_CACHE_DIR/semantic, else ~/.cache/kvstack/semantic)")
@@ -83,7 +89,8 @@ def semantic_config(args: argparse.Namespace) -> SemanticCacheConfig | None:
     from kvstack.paths import cache_root
     from kvstack.semantic.cache import SemanticCacheConfig
 
-    given = {"--semantic-threshold": args.semantic_threshold, "--semantic-dir": args.semantic_dir,
+    given = {"--semantic-cache-mode": args.semantic_cache_mode,
+             "--semantic-threshold": args.semantic_threshold, "--semantic-dir": args.semantic_dir,
              "--semantic-ttl": args.semantic_ttl,
              "--semantic-max-entries": args.semantic_max_entries}
     if not args.semantic_cache:
@@ -92,6 +99,7 @@ def semantic_config(args: argparse.Namespace) -> SemanticCacheConfig | None:
             raise InvalidRequestError(f"{stray[0]} needs --semantic-cache")
         return None
     fields: dict[str, Any] = {
+        "mode": args.semantic_cache_mode or "verify",
         "directory": Path(args.semantic_dir) if args.semantic_dir else cache_root() / "semantic",
         "threshold": args.semantic_threshold, "ttl_s": args.semantic_ttl,
         "max_entries": args.semantic_max_entries,

@@ -122,12 +122,13 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        draft_token_ids: Sequence[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request (validation errors raise here) and stream its outputs."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._add, prompt, sampling_params, request_id, cache_salt, loop,
-                                queue)
+        await asyncio.to_thread(self._add, prompt, sampling_params, request_id, cache_salt,
+                                draft_token_ids, loop, queue)
         finished = False
         try:
             while not finished:
@@ -146,6 +147,7 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         cache_salt: str | None,
+        draft_token_ids: Sequence[int] | None,
         loop: asyncio.AbstractEventLoop,
         queue: asyncio.Queue[Any],
     ) -> None:
@@ -157,7 +159,7 @@ class AsyncLLM:
                     f"{self.max_waiting} requests are already waiting; retry later"
                 )
             self.engine.add_request(prompt, sampling_params, request_id=request_id,
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, draft_token_ids=draft_token_ids)
             self._streams[request_id] = (loop, queue)
         self._wake.set()
 

@@ -9,11 +9,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from kvstack.config import EngineConfig
+from kvstack.drafts.prompt_lookup import propose_drafts
+from kvstack.drafts.verify import remaining_draft
 from kvstack.engine.builder import build_engine
 from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder, find_stop, stop_holdback
 from kvstack.engine.info import ModelInfo
 from kvstack.engine.request import Request
-from kvstack.engine.runner import ModelRunner
+from kvstack.engine.runner import ModelRunner, Sampled
 from kvstack.engine.scheduler import Scheduler, SchedulerOutput
 from kvstack.engine.stats import EngineStats
 from kvstack.engine.tokenizer import check_token_ids
@@ -54,6 +56,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_draft_tokens = 0  # draft tokens verified, and of those accepted
+        self.num_accepted_tokens = 0
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -73,8 +77,14 @@ class LLMEngine:
         sampling_params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        draft_token_ids: Sequence[int] | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises a KvstackError subclass on bad input."""
+        """Validate and queue a request. Raises a KvstackError subclass on bad input.
+
+        `draft_token_ids`: a guess at the output, verified against the model's own greedy
+        choices (only the agreeing prefix is kept; greedy requests without penalties only,
+        others ignore it); ids must be in the vocabulary, an empty list is no draft, and a
+        draft longer than the request's max_tokens is cut to it."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
         max_len = self.max_model_len
@@ -98,6 +108,7 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer or NullDecoder(), token_ids,
                                                sampling_params.skip_special_tokens),
             cache_salt=cache_salt,
+            draft_token_ids=self._draft(draft_token_ids, max_tokens),
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -113,6 +124,15 @@ class LLMEngine:
                 raise InvalidRequestError("prompt is empty; give at least one token of text")
             return list(self.tokenizer.encode(prompt))
         return check_token_ids(list(prompt), self.model_config.vocab_size)
+
+    def _draft(self, draft_token_ids: Sequence[int] | None, max_tokens: int) -> list[int]:
+        if not draft_token_ids:
+            return []
+        try:
+            ids = check_token_ids(list(draft_token_ids), self.model_config.vocab_size)
+        except InvalidRequestError as err:
+            raise InvalidRequestError(f"draft_token_ids: {err}") from None
+        return ids[:max_tokens]
 
     def _check_capacity(self, num_tokens: int) -> None:
         if self.kv_manager is None:
@@ -155,8 +175,21 @@ class LLMEngine:
         result = self.runner.run(batch)
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(batch, result.prompt_logprobs)
-        self.scheduler.after_step(batch)
-        return self._update(batch, result.token_ids, result.logprobs)
+        # Tokens first (a block's hash needs its tokens), then the computed counts and the
+        # blocks they complete, then the finishes: a finished request's blocks are published
+        # before they are freed.
+        finishing = self._append_samples(batch, result.samples)
+        self.scheduler.after_step(batch, [s.num_rejected if s else 0 for s in result.samples])
+        for request, reason in finishing:
+            self.scheduler.finish(request, reason)
+            self.requests.pop(request.request_id, None)
+        outputs = []
+        for s, sampled in zip(batch.scheduled, result.samples, strict=True):
+            if sampled is not None:
+                outputs.append(self.make_output(s.request))
+                if not s.request.finished:
+                    propose_drafts(s.request)
+        return outputs
 
     @staticmethod
     def _record_prompt_logprobs(
@@ -172,29 +205,36 @@ class LLMEngine:
             # By index, so a preempted request that recomputes its prompt rewrites, not appends.
             r.prompt_logprobs[first : first + len(values)] = values
 
-    def _update(
-        self,
-        batch: SchedulerOutput,
-        token_ids: list[int | None],
-        logprobs: list[float | None],
-    ) -> list[RequestOutput]:
+    def _append_samples(self, batch: SchedulerOutput,
+                        samples: list[Sampled | None]) -> list[tuple[Request, str]]:
+        """Append each request's new tokens one by one (a stop ends it mid-draft); returns the
+        requests that finished and why, to be finished once their blocks are published."""
         now = time.perf_counter()
-        outputs = []
-        for s, token, logprob in zip(batch.scheduled, token_ids, logprobs, strict=True):
+        finishing = []
+        for s, sampled in zip(batch.scheduled, samples, strict=True):
             request = s.request
-            if token is None or request.finished:
+            if sampled is None or request.finished:
                 continue
             if not request.output_token_ids:
                 self.num_prompt_tokens += request.num_prompt_tokens
-            self.num_generation_tokens += 1
-            self._append_token(request, token, logprob, now)
-            if request.finished:
-                self.requests.pop(request.request_id, None)
-            outputs.append(self.make_output(request))
-        return outputs
+            request.num_draft_tokens += s.num_draft_tokens
+            request.num_accepted_tokens += len(sampled.token_ids) - 1
+            self.num_draft_tokens += s.num_draft_tokens
+            self.num_accepted_tokens += len(sampled.token_ids) - 1
+            request.draft_token_ids = remaining_draft(request.draft_token_ids,
+                                                      sampled.token_ids)
+            for k, token in enumerate(sampled.token_ids):
+                self.num_generation_tokens += 1
+                logprob = sampled.logprobs[k] if sampled.logprobs is not None else None
+                reason = self._append_token(request, token, logprob, now)
+                if reason is not None:
+                    finishing.append((request, reason))
+                    break
+        return finishing
 
     def _append_token(self, request: Request, token: int, logprob: float | None,
-                      now: float) -> None:
+                      now: float) -> str | None:
+        """Append one output token; returns why the request stops there, or None."""
         m = request.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -209,7 +249,7 @@ class LLMEngine:
         reason = self._stop_reason(request, token, delta)
         if reason is not None:
             m.finished_time = now
-            self.scheduler.finish(request, reason)
+        return reason
 
     def _stop_reason(self, request: Request, token: int, delta: str) -> str | None:
         p = request.sampling_params
@@ -254,6 +294,8 @@ class LLMEngine:
             metrics=request.metrics,
             prompt_logprobs=(list(request.prompt_logprobs or [None] * request.num_prompt_tokens)
                              if sp.prompt_logprobs is not None else None),
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     # -- cache control and stats ------------------------------------------------------------
@@ -311,6 +353,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
             tiers=self.kv_tiers.stats() if self.kv_tiers else (),
             **(asdict(usage) if usage else {}),
         )

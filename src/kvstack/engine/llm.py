@@ -110,7 +110,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run all prompts to completion (batched); outputs come back in prompt order.
 
-        A prompt is a string or `{"prompt_token_ids": [...]}` (optionally with "prompt").
+        A prompt is a string or `{"prompt_token_ids": [...]}` (optionally with "prompt"). A
+        dict may also carry `"draft_token_ids"`: a guess at the output that the engine verifies
+        in one step (greedy requests keep exactly their own tokens; see `drafts/`).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -118,8 +120,9 @@ class LLM:
         requests = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                requests.append(self.engine.add_request(_prompt_input(prompt), p,
-                                                        cache_salt=cache_salt))
+                requests.append(self.engine.add_request(
+                    _prompt_input(prompt), p, cache_salt=cache_salt,
+                    draft_token_ids=_draft_input(prompt)))
             final: dict[str, RequestOutput] = {}
             while self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -139,7 +142,8 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Run one prompt, yielding its output after every new token (cumulative text)."""
         params = sampling_params or SamplingParams()
-        request = self.engine.add_request(_prompt_input(prompt), params, cache_salt=cache_salt)
+        request = self.engine.add_request(_prompt_input(prompt), params, cache_salt=cache_salt,
+                                          draft_token_ids=_draft_input(prompt))
         try:
             while not request.finished:
                 for out in self.engine.step():
@@ -207,6 +211,15 @@ def _prompt_input(prompt: PromptType) -> str | list[int]:
         except TypeError:
             raise InvalidRequestError("prompt_token_ids must be a list of token ids") from None
     raise InvalidRequestError("a prompt is a string or a dict with 'prompt_token_ids'")
+
+
+def _draft_input(prompt: PromptType) -> list[int] | None:
+    if not isinstance(prompt, dict) or prompt.get("draft_token_ids") is None:
+        return None
+    try:
+        return list(prompt["draft_token_ids"])
+    except TypeError:
+        raise InvalidRequestError("draft_token_ids must be a list of token ids") from None
 
 
 def _broadcast(

@@ -41,6 +41,11 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""  # output text, stop strings already cut
+    # Proposed continuation the engine verifies at the request's next sampling step (only the
+    # tokens that match the model's own greedy choices are kept; `drafts/`).
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # draft tokens fed to the model so far
+    num_accepted_tokens: int = 0  # of those, the ones the model agreed with
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     sampling_state: SamplingState = field(init=False)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstack.drafts.verify import verify_greedy
 from kvstack.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.kv.window import SlidingWindow
@@ -22,11 +23,19 @@ from kvstack.models import CausalLM
 
 
 @dataclass
+class Sampled:
+    """What one request gained in a step."""
+
+    token_ids: list[int]  # accepted draft tokens (if any), then the model's own next token
+    logprobs: list[float] | None  # of each token, when the request asked for logprobs
+    num_rejected: int = 0  # draft tokens fed this step that the model did not accept
+
+
+@dataclass
 class StepResult:
     # One entry per scheduled request; None where the step did not reach a new token
     # (a prefill chunk that is not the last).
-    token_ids: list[int | None]
-    logprobs: list[float | None]
+    samples: list[Sampled | None]
     # Per scheduled request: (first prompt index scored, log-probs) when it asked for
     # prompt logprobs and this step computed prompt positions; else None.
     prompt_logprobs: list[tuple[int, list[float]] | None] | None = None
@@ -48,21 +57,40 @@ class ModelRunner:
     def run(self, batch: SchedulerOutput) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_storage)
-        samplers = [s for s in batch.scheduled if s.samples]
-        result = StepResult([None] * len(batch.scheduled), [None] * len(batch.scheduled))
+        result = StepResult([None] * len(batch.scheduled))
         if any(s.request.sampling_params.prompt_logprobs is not None for s in batch.scheduled):
             result.prompt_logprobs = self._prompt_logprobs(batch, hidden, input_ids)
-        if not samplers:
-            return result
-        logits = self.model.compute_logits(hidden[sample_rows])
-        tokens, logprobs = self.sampler(logits, [s.request.sampling_state for s in samplers])
-        j = 0
-        for i, s in enumerate(batch.scheduled):
-            if s.samples:
-                result.token_ids[i] = tokens[j]
-                result.logprobs[i] = logprobs[j] if logprobs is not None else None
-                j += 1
+        if sample_rows.numel():
+            self._sample(batch, self.model.compute_logits(hidden[sample_rows]), result)
         return result
+
+    def _sample(self, batch: SchedulerOutput, logits: torch.Tensor, result: StepResult) -> None:
+        """logits: one row per sampling request, or 1 + its draft tokens' rows for one that
+        verifies drafts (`_prepare` lays them out in scheduled order)."""
+        plain: list[int] = []  # indices into batch.scheduled
+        plain_rows: list[int] = []
+        row = 0
+        for i, s in enumerate(batch.scheduled):
+            if not s.samples:
+                continue
+            if s.num_draft_tokens:
+                rows = logits[row:row + s.num_draft_tokens + 1]
+                verified = verify_greedy(rows, s.draft_token_ids)
+                result.samples[i] = Sampled(verified.token_ids,
+                                            _logprobs(rows, verified.token_ids, s),
+                                            verified.num_rejected)
+                row += s.num_draft_tokens + 1
+            else:
+                plain.append(i)
+                plain_rows.append(row)
+                row += 1
+        if not plain:
+            return
+        states = [batch.scheduled[i].request.sampling_state for i in plain]
+        tokens, logprobs = self.sampler(logits[plain_rows], states)
+        for j, i in enumerate(plain):
+            result.samples[i] = Sampled([tokens[j]],
+                                        [logprobs[j]] if logprobs is not None else None)
 
     def _prompt_logprobs(
         self, batch: SchedulerOutput, hidden: torch.Tensor, input_ids: torch.Tensor
@@ -107,23 +135,29 @@ class ModelRunner:
         for s in batch.scheduled:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            known_end = end - s.num_draft_tokens
             row = len(ids)
-            ids.extend(r.tokens_between(start, end))
+            ids.extend(r.tokens_between(start, known_end) + s.draft_token_ids)
             pos.extend(range(start, end))
             if self.kv_storage is not None:
                 seq_slots = self._slots(s.block_ids, 0, end)
                 slot_parts.append(seq_slots[start:end])
-                if end - start == 1 and start > 0:
-                    decode_rows.append(row)
-                    decode_ctx.append(seq_slots)
-                else:
+                # Decode rows: a lone known token past position 0, and every draft token, each
+                # reading its own context exactly as a decode step would (so verifying a draft
+                # computes what decoding it would); the rest is a prefill span.
+                first_decode = start if known_end - start == 1 and start > 0 else known_end
+                if first_decode > start:
                     read_back = start > 0 or self.read_back
-                    prefills.append(PrefillSpan(row, row + end - start, end,
-                                                seq_slots if read_back else None))
+                    prefills.append(PrefillSpan(row, row + first_decode - start, first_decode,
+                                                seq_slots[:first_decode] if read_back else None))
+                for position in range(first_decode, end):
+                    decode_rows.append(row + position - start)
+                    decode_ctx.append(seq_slots[:position + 1])
             else:
                 prefills.append(PrefillSpan(row, row + end - start, end, None))
-            if s.samples:
-                sample_rows.append(row + end - start - 1)
+            if s.samples:  # the last known token's row, then one per draft token
+                last = row + end - start - 1
+                sample_rows.extend(range(last - s.num_draft_tokens, last + 1))
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts) if slot_parts else None,
             decode_rows=None, decode_slots=None, decode_mask=None, prefills=prefills,
@@ -195,3 +229,13 @@ class ModelRunner:
                             logical - s.num_dropped_blocks)
         block_ids = torch.tensor(s.block_ids, dtype=torch.int64)
         return block_ids[index] * bs + positions % bs
+
+
+def _logprobs(logits: torch.Tensor, token_ids: list[int], s: ScheduledRequest
+              ) -> list[float] | None:
+    """Log-probabilities of the emitted tokens under the raw model distribution, row by row."""
+    if s.request.sampling_params.logprobs is None:
+        return None
+    chosen = torch.tensor(token_ids)[:, None]
+    rows = logits[: len(token_ids)]
+    return torch.log_softmax(rows.float(), dim=-1).gather(1, chosen)[:, 0].tolist()

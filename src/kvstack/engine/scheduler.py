@@ -20,15 +20,21 @@ from kvstack.kv.manager import KVCacheManager
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # positions computed this step, draft tokens included
     block_ids: list[int] = field(default_factory=list)  # its block table as this step runs
     num_dropped_blocks: int = 0  # window mode: logical blocks freed between sinks and the rest
+    # Draft tokens fed after the known tokens (the last num_draft_tokens of num_new_tokens).
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the known tokens, so a token is sampled."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + self.num_draft_tokens
 
 
 @dataclass
@@ -75,19 +81,37 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget,
                           self.max_chunk)
-            if not self._allocate_or_preempt(request, num_new, out):
+            drafts = self._drafts(request, request.num_computed_tokens, num_new, budget)
+            if drafts and self.kv_manager.allocate(request, num_new + len(drafts)):
+                pass  # room for the drafts too, without preempting anyone for them
+            elif self._allocate_or_preempt(request, num_new, out):
+                drafts = []
+            else:
                 continue
-            out.scheduled.append(self._plan(request, num_new))
-            budget -= num_new
+            out.scheduled.append(self._plan(request, num_new, drafts))
+            budget -= num_new + len(drafts)
         if out.num_preempted == 0:
             self._admit_waiting(out, budget)
         return out
 
-    def _plan(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _plan(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledRequest:
         assert self.kv_manager is not None
         request_id = request.request_id
-        return ScheduledRequest(request, num_new, self.kv_manager.block_ids(request_id),
-                                self.kv_manager.num_dropped_blocks(request_id))
+        return ScheduledRequest(request, num_new + len(drafts),
+                                self.kv_manager.block_ids(request_id),
+                                self.kv_manager.num_dropped_blocks(request_id), drafts)
+
+    def _drafts(self, request: Request, start: int, num_new: int, budget: int) -> list[int]:
+        """The request's draft tokens that fit this step: only when the step reaches the end
+        of its known tokens, within the token budget, the chunk cap and its max_tokens (the
+        model's own next token comes on top of the accepted ones)."""
+        kv = self.kv_manager
+        if (not request.draft_token_ids or kv is None or kv.window is not None
+                or start + num_new != request.num_tokens
+                or not request.sampling_params.verifies_drafts):
+            return []
+        room = min(budget - num_new, request.max_tokens - len(request.output_token_ids) - 1)
+        return request.draft_token_ids[:max(room, 0)]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         assert self.kv_manager is not None
@@ -125,8 +149,11 @@ class Scheduler:
             request = self.waiting[0]
             hit = kv.match_prefix(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget, self.max_chunk)
-            if not kv.allocate(request, num_new, hit):
-                break
+            drafts = self._drafts(request, hit.num_tokens, num_new, budget)
+            if not (drafts and kv.allocate(request, num_new + len(drafts), hit)):
+                drafts = []
+                if not kv.allocate(request, num_new, hit):
+                    break
             self.waiting.popleft()
             request.num_computed_tokens += hit.num_tokens
             if request.status is RequestStatus.PREEMPTED:
@@ -136,8 +163,8 @@ class Scheduler:
                 kv.record_query(request, hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(self._plan(request, num_new))
-            budget -= num_new
+            out.scheduled.append(self._plan(request, num_new, drafts))
+            budget -= num_new + len(drafts)
 
     def _schedule_without_cache(self) -> SchedulerOutput:
         # Baseline: every step recomputes each running request's whole sequence from token 0.
@@ -152,12 +179,17 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, request.num_tokens))
         return out
 
-    def after_step(self, output: SchedulerOutput) -> None:
+    def after_step(self, output: SchedulerOutput, num_rejected: list[int] | None = None) -> None:
         """Advance computed-token counts, publish newly full blocks, and (window mode) free
-        the blocks that slid out of the window."""
-        for s in output.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+        the blocks that slid out of the window. `num_rejected[i]`: draft tokens of the i-th
+        scheduled request whose K/V this step wrote but the model did not accept; they are not
+        counted as computed and the blocks that held only them are freed."""
+        for i, s in enumerate(output.scheduled):
+            rejected = num_rejected[i] if num_rejected else 0
+            s.request.num_computed_tokens += s.num_new_tokens - rejected
             if self.kv_manager is not None:
+                if rejected:
+                    self.kv_manager.trim(s.request)
                 self.kv_manager.cache_computed_blocks(s.request)
                 self.kv_manager.slide_window(s.request)
 

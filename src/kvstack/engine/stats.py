@@ -15,6 +15,8 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    num_draft_tokens: int = 0  # draft tokens verified (semantic cache, prompt lookup, given)
+    num_accepted_tokens: int = 0  # of those, the ones the model agreed with
     # The KV manager's `KVUsage`, field for field (zero without a KV cache):
     block_size: int = 0
     num_blocks_total: int = 0

@@ -249,6 +249,19 @@ class KVCacheManager:
         if published and self.tiers is not None:
             self.tiers.offload(published)
 
+    def trim(self, request: KVRequest) -> None:
+        """Free the blocks past the request's computed tokens (a step wrote draft tokens there
+        that were rejected); the slots of rejected tokens inside the last kept block are
+        simply overwritten later. Nothing past the computed tokens was ever published."""
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return
+        keep = self.blocks_needed(request.num_computed_tokens) - table.num_dropped_blocks
+        if len(table.blocks) > keep:
+            extra = table.blocks[keep:]
+            del table.blocks[keep:]
+            self._free_blocks(list(reversed(extra)))
+
     def slide_window(self, request: KVRequest) -> None:
         """Window mode: free the request's blocks no later query can see (sinks stay)."""
         if self.window is None:

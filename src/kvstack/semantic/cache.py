@@ -39,6 +39,11 @@ logger = logging.getLogger("kvstack.semantic")
 # Chosen by `kvstack eval semantic`: the lowest threshold from which no labelled near-miss
 # of the tuning set is served (0.84), plus a 0.02 margin (see the sweep it prints).
 DEFAULT_THRESHOLD = 0.86
+# Verify mode serves nothing unchecked (the stored answer is a draft the model verifies), so
+# it may look far wider: a wrong candidate costs one wider prefill. Chosen by `kvstack bench
+# verify` (acceptance over the labelled paraphrases against the cost of rejected drafts).
+DEFAULT_VERIFY_THRESHOLD = 0.75
+MODES = ("trust", "verify")
 FORMAT_VERSION = 1
 DB_FILE = "entries.sqlite"
 INDEX_FILE = "index.faiss"
@@ -50,7 +55,11 @@ class SemanticCacheError(KvstackError):
 
 @dataclass(frozen=True)
 class SemanticCacheConfig:
-    threshold: float = DEFAULT_THRESHOLD  # cosine similarity a hit needs
+    # "trust": a hit is served as stored (APPROXIMATE: a wrong hit serves a wrong answer);
+    # "verify": a hit's answer is a draft the model verifies, so the output is always the
+    # model's own (exact), and a right hit costs one prefill instead of a decode per token.
+    mode: str = "trust"
+    threshold: float | None = None  # cosine similarity a hit needs; None: the mode's default
     directory: Path | None = None  # None: in memory only
     ttl_s: float | None = 86_400.0  # None: entries never expire
     max_entries: int = 10_000
@@ -58,6 +67,12 @@ class SemanticCacheConfig:
     save_every: int = 64  # rewrite the index file after this many changes (and on close)
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidRequestError(f"semantic cache mode must be one of {', '.join(MODES)}, "
+                                      f"got {self.mode!r}")
+        if self.threshold is None:
+            default = DEFAULT_THRESHOLD if self.mode == "trust" else DEFAULT_VERIFY_THRESHOLD
+            object.__setattr__(self, "threshold", default)
         if not 0 < self.threshold <= 1:
             raise InvalidRequestError(f"semantic threshold must be in (0, 1], got "
                                       f"{self.threshold}")
@@ -121,6 +136,12 @@ class SemanticCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def threshold(self) -> float:
+        """The similarity a hit needs (the config's, or its mode's default)."""
+        assert self.config.threshold is not None  # filled in by SemanticCacheConfig
+        return self.config.threshold
+
     # -- lookups and stores ------------------------------------------------------------------
 
     def embed(self, text: str) -> np.ndarray:
@@ -140,7 +161,7 @@ class SemanticCache:
             rejections: list[str] = []
             hit = None
             for entry_id, similarity in candidates:
-                if similarity < self.config.threshold:
+                if similarity < self.threshold:
                     break
                 entry = self._entries[entry_id]
                 reason = reject_reason(text, entry.text)

@@ -41,15 +41,21 @@ class Answer:
     num_output_tokens: int
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # The output token ids (verify mode hands them to the engine as a draft); None for
+    # entries stored before they were kept.
+    token_ids: tuple[int, ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"text": self.text, "num_output_tokens": self.num_output_tokens,
-                "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+                "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
+                "token_ids": list(self.token_ids) if self.token_ids is not None else None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Answer:
+        ids = data.get("token_ids")
         return cls(str(data["text"]), int(data["num_output_tokens"]),
-                   data.get("finish_reason"), data.get("stop_reason"))
+                   data.get("finish_reason"), data.get("stop_reason"),
+                   tuple(int(i) for i in ids) if isinstance(ids, list) else None)
 
 
 @dataclass

@@ -23,7 +23,6 @@ from kvstack.outputs import RequestOutput
 from kvstack.server.auth import AuthTenant
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
-from kvstack.server.generation import OutputStream
 from kvstack.server.protocol import CacheControl, ContentBlock, MessagesRequest
 from kvstack.server.responses import respond, sse
 from kvstack.server.semantic_api import Probe, split_conversation
@@ -52,11 +51,7 @@ async def messages(request: Request, tenant: AuthTenant) -> JSONResponse | Strea
                                            params, body.max_tokens, body.semantic_cache,
                                            body.cache_salt)
     wire = _AnthropicWire(state, prompt, salt, probe)
-    stream: OutputStream
-    if probe is not None and probe.hit:
-        stream = probe.replay(wire.id, prompt.token_ids)
-    else:
-        stream = state.start(prompt.token_ids, params, wire.id, salt)
+    stream = state.start(prompt.token_ids, params, wire.id, salt, probe)
     return await respond(request, stream, wire, bool(body.stream), probe)
 
 
@@ -182,18 +177,21 @@ class _Usage:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_pinned_tokens: int
-    semantic_cache_hit: bool | None = None  # None: the semantic cache was not consulted
+    probe: Probe | None = None  # None: the semantic cache was not consulted
 
-    def as_dict(self, output_tokens: int) -> dict[str, Any]:
+    def as_dict(self, out: RequestOutput | None) -> dict[str, Any]:
+        """Usage once `out` is produced (None: before any output)."""
         creation = max(0, self.num_pinned_tokens - self.num_cached_tokens)
         usage: dict[str, Any] = {
             "input_tokens": self.num_prompt_tokens - self.num_cached_tokens - creation,
             "cache_creation_input_tokens": creation,
             "cache_read_input_tokens": self.num_cached_tokens,
-            "output_tokens": output_tokens,
+            "output_tokens": 0 if out is None else len(out.outputs[0].token_ids),
         }
-        if self.semantic_cache_hit is not None:
-            usage["semantic_cache_hit"] = self.semantic_cache_hit
+        if self.probe is not None:
+            usage["semantic_cache_hit"] = self.probe.hit
+            if out is not None:
+                usage["semantic_cache"] = self.probe.usage(out)
         return usage
 
 
@@ -224,10 +222,10 @@ class _AnthropicWire:
 
     async def started(self, first: RequestOutput) -> None:
         # The prefill is done once the first token is out: its blocks are cached, so pin now.
-        hit = self.probe is not None and self.probe.hit
-        num_pinned = 0 if hit else await _pin(self.state, self.prompt, self.cache_salt)
+        replayed = self.probe is not None and self.probe.replays
+        num_pinned = 0 if replayed else await _pin(self.state, self.prompt, self.cache_salt)
         self.usage = _Usage(len(self.prompt.token_ids), first.num_cached_tokens, num_pinned,
-                            None if self.probe is None else hit)
+                            self.probe)
 
     def whole(self, out: RequestOutput | None) -> dict[str, Any]:
         content = [] if out is None else [{"type": "text", "text": out.outputs[0].text}]
@@ -240,7 +238,7 @@ class _AnthropicWire:
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
-            "usage": self.usage.as_dict(0 if out is None else len(out.outputs[0].token_ids)),
+            "usage": self.usage.as_dict(out),
         }
 
     def opening(self, first: RequestOutput) -> Iterable[str]:
@@ -259,7 +257,7 @@ class _AnthropicWire:
         reason, sequence = _stop(out)
         yield _event("message_delta", {
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": self.usage.as_dict(len(out.outputs[0].token_ids)),
+            "usage": self.usage.as_dict(out),
         })
         yield _event("message_stop", {})
 

@@ -62,6 +62,7 @@ class Generation:
         sampling_params: SamplingParams,
         request_id: str,
         cache_salt: str | None,
+        draft_token_ids: Sequence[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.finished = False
@@ -69,15 +70,15 @@ class Generation:
         self._metrics = metrics
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._task = asyncio.create_task(self._pump(list(prompt_token_ids), sampling_params,
-                                                    cache_salt))
+                                                    cache_salt, draft_token_ids))
         _pumps.add(self._task)
         self._task.add_done_callback(_pumps.discard)
 
     async def _pump(self, prompt: list[int], sampling_params: SamplingParams,
-                    cache_salt: str | None) -> None:
+                    cache_salt: str | None, draft_token_ids: Sequence[int] | None) -> None:
         try:
             async for out in self._engine.generate(prompt, sampling_params, self.request_id,
-                                                   cache_salt):
+                                                   cache_salt, draft_token_ids):
                 self._queue.put_nowait(out)
         except asyncio.CancelledError:
             # Cancelled while the request was still being queued: make sure it goes too.

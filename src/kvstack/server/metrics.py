@@ -48,6 +48,10 @@ class _EngineCollector(Collector):
             "preemptions": ("requests preempted for lack of KV blocks", s.num_preemptions),
             "prompt_tokens": ("prompt tokens processed", s.num_prompt_tokens),
             "generation_tokens": ("tokens generated", s.num_generation_tokens),
+            "draft_tokens": ("draft tokens verified (semantic cache, prompt lookup)",
+                             s.num_draft_tokens),
+            "draft_accepted_tokens": ("draft tokens the model agreed with",
+                                      s.num_accepted_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"kvstack_{name}", doc, value=value)

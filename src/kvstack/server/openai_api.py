@@ -18,7 +18,6 @@ from kvstack.sampling_params import SamplingParams
 from kvstack.server.auth import AuthTenant
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
-from kvstack.server.generation import OutputStream
 from kvstack.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -97,11 +96,7 @@ async def chat_completions(request: Request,
 async def _answer(request: Request, state: ServerState, wire: _OpenAIWire,
                   prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
                   body: OpenAISampling, probe: Probe | None) -> JSONResponse | StreamingResponse:
-    stream: OutputStream
-    if probe is not None and probe.hit:
-        stream = probe.replay(wire.id, prompt_ids)
-    else:
-        stream = state.start(prompt_ids, params, wire.id, cache_salt)
+    stream = state.start(prompt_ids, params, wire.id, cache_salt, probe)
     return await respond(request, stream, wire, bool(body.stream), probe)
 
 
@@ -235,6 +230,7 @@ class _OpenAIWire:
         }
         if self.probe is not None:
             usage["semantic_cache_hit"] = self.probe.hit
+            usage["semantic_cache"] = self.probe.usage(out)
         return usage
 
     def _logprobs(self, out: RequestOutput, start: int, offset: int) -> dict[str, Any] | None:

@@ -30,6 +30,8 @@ class ExtraSampling(_Body):
     cache_salt: str | None = None
     # true: a sampled request may use the semantic cache too; false: not even a greedy one.
     semantic_cache: bool | None = None
+    # Draft up to N tokens a step from the request's own text (verified; see SamplingParams).
+    prompt_lookup: int | None = None
 
 
 # -- OpenAI ----------------------------------------------------------------------------------

@@ -127,6 +127,15 @@ class Probe:
         return self.lookup.hit
 
     @property
+    def mode(self) -> str:
+        return self.service.cache.config.mode
+
+    @property
+    def replays(self) -> bool:
+        """Trust mode and a hit: the stored answer is served as it is."""
+        return self.hit and self.mode == "trust"
+
+    @property
     def headers(self) -> dict[str, str]:
         return {HEADER: "hit" if self.hit else "miss"}
 
@@ -134,13 +143,29 @@ class Probe:
         assert self.lookup.entry is not None
         return Replay(self.lookup.entry.answer, request_id, prompt_token_ids)
 
+    def draft(self, tokenizer: Any) -> list[int] | None:
+        """Verify mode and a hit: the stored answer's tokens, for the engine to verify."""
+        if not self.hit or self.mode != "verify":
+            return None
+        assert self.lookup.entry is not None
+        answer = self.lookup.entry.answer
+        if answer.token_ids is not None:
+            return list(answer.token_ids)
+        return list(tokenizer.encode(answer.text, add_special_tokens=False))
+
+    def usage(self, out: RequestOutput) -> dict[str, Any]:
+        """`usage.semantic_cache`: the mode, and the draft tokens verified and accepted."""
+        return {"mode": self.mode, "hit": self.hit, "draft_tokens": out.num_draft_tokens,
+                "accepted_tokens": out.num_accepted_tokens}
+
     async def store(self, out: RequestOutput) -> None:
-        """Keep a finished model answer (never a replayed one, an abort or an error)."""
+        """Keep a finished model answer (never a replayed one, an abort or an error). In
+        verify mode a hit's output is the model's own, so it is kept under its own text."""
         completion = out.outputs[0]
-        if self.hit or not out.finished or completion.finish_reason not in ("stop", "length"):
+        if self.replays or not out.finished or completion.finish_reason not in ("stop", "length"):
             return
         answer = Answer(completion.text, len(completion.token_ids), completion.finish_reason,
-                        completion.stop_reason)
+                        completion.stop_reason, tuple(completion.token_ids))
         try:
             await asyncio.to_thread(self.service.cache.store, self.scope, self.text, answer,
                                     self.lookup.vector)
@@ -207,7 +232,7 @@ async def describe(request: Request, tenant: AuthTenant) -> dict[str, Any]:
     config = service.cache.config
     own = tenant_id(tenant)
     return {"object": "semantic_cache", "tenant": own, "entries": service.cache.count(own),
-            "threshold": config.threshold, "ttl_s": config.ttl_s,
+            "mode": config.mode, "threshold": config.threshold, "ttl_s": config.ttl_s,
             "max_entries": config.max_entries}
 
 

@@ -16,17 +16,17 @@ from kvstack.sampling_params import SamplingParams
 from kvstack.semantic.cache import SemanticCacheConfig
 from kvstack.server.auth import KeyRing
 from kvstack.server.errors import ApiError
-from kvstack.server.generation import Generation
+from kvstack.server.generation import Generation, OutputStream
 from kvstack.server.metrics import ServerMetrics
 from kvstack.server.protocol import ExtraSampling
-from kvstack.server.semantic_api import SemanticService
+from kvstack.server.semantic_api import Probe, SemanticService
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
 
 # Body fields both APIs carry under the same name, passed to SamplingParams as they are.
 _SHARED_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                            "seed", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                           "include_stop_str_in_output")
+                           "include_stop_str_in_output", "prompt_lookup")
 
 
 @dataclass(frozen=True)
@@ -106,9 +106,15 @@ class ServerState:
         return SamplingParams(**{k: v for k, v in given.items() if v is not None})
 
     def start(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-              request_id: str, cache_salt: str | None) -> Generation:
+              request_id: str, cache_salt: str | None, probe: Probe | None = None
+              ) -> OutputStream:
+        """The output stream of a request: the semantic cache's replay on a trust-mode hit,
+        else a model run (with the hit's answer as a draft in verify mode)."""
+        if probe is not None and probe.replays:
+            return probe.replay(request_id, prompt_token_ids)
+        draft = probe.draft(self.tokenizer) if probe is not None else None
         return Generation(self.engine, self.metrics, prompt_token_ids, sampling_params,
-                          request_id, cache_salt)
+                          request_id, cache_salt, draft)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
