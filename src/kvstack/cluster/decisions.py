@@ -9,6 +9,11 @@ reports the router would see the world as it was. Two failure modes follow, both
 The record fixes both by predicting the effect of each decision: the blocks sent to a replica
 count as held there (`masks`, ORed with the index), and their prefill tokens count as queued
 there (`pending_tokens`) until the replica's own report covers them or `ttl_s` passes.
+
+Simulated (64 replicas, 32 tenants, 0.25 req/s per replica, 20,000 requests): with the record
+the hit rate is 57.7% whether reports arrive instantly, every 1 s or every 10 s; without it,
+31.5% at 1 s and 14.7% at 10 s, and the prefixes recomputed everywhere overload the cluster
+(modelled TTFT p50 181 s and 315 s instead of 5.3 s). Keep `ttl_s` above the report period.
 """
 
 from __future__ import annotations

@@ -44,9 +44,14 @@ def compatible(request: Layout, replicas: Sequence[Layout | None]) -> np.ndarray
 
 @dataclass(frozen=True)
 class ScoringConfig:
-    load_weight: float = 0.5
+    """Defaults picked on the simulator (64 replicas, 32 tenants, 0.25 req/s per replica):
+    load_weight 0.25 and 0.125 tie, 0.5 loses ~1 point of hit rate, 1.0 sprays prefixes
+    (hit rate 42% instead of 58%). With a ~1,000-token prefix the cost itself stops affinity
+    at a load gap of P / load_weight, so the guard is a backstop for long prefixes."""
+
+    load_weight: float = 0.25
     running_request_tokens: float = 32.0  # a running decode costs the replica about this much
-    balance_abs_tokens: float = 8192.0
+    balance_abs_tokens: float = 4096.0
     balance_rel: float = 2.0
 
     def __post_init__(self) -> None:
