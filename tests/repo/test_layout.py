@@ -30,7 +30,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in
     "models",
     "weights",
     "engine",
-    "eval server bench",
+    "eval server bench cluster",
     "cli",
     "__init__ __main__",
 ))

@@ -17,7 +17,6 @@ Run: `python -m kvstack.cluster.simulate --requests 100000 --replicas 16 64 256`
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import random
 import time
@@ -377,30 +376,3 @@ def format_row(result: SimResult) -> str:
 def format_results(results: Sequence[SimResult]) -> str:
     header = " | ".join(name for name, _ in _COLUMNS)
     return "\n".join([header, *(format_row(r) for r in results)])
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvstack.cluster.simulate",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=100_000)
-    parser.add_argument("--replicas", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument("--tenants", type=int, nargs="+", default=[8])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=ALL_POLICIES)
-    parser.add_argument("--publish-period", type=float, default=1.0,
-                        help="seconds between index/load publications (0: instant)")
-    parser.add_argument("--record-ttl", type=float, default=5.0,
-                        help="seconds the router remembers its decisions (>= the period)")
-    parser.add_argument("--rate-per-replica", type=float, default=TraceConfig.rate_per_replica)
-    args = parser.parse_args(argv)
-    trace = TraceConfig(rate_per_replica=args.rate_per_replica)
-    print(f"ingress hashing: {ingress_hash_us():.0f} us per 1,100-token prompt", flush=True)
-    print(" | ".join(name for name, _ in _COLUMNS), flush=True)
-    simulate(args.requests, args.replicas, args.tenants, args.seed, policies=args.policies,
-             trace=trace, publish_period_s=args.publish_period, record_ttl_s=args.record_ttl,
-             progress=lambda r: print(format_row(r), flush=True))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -20,7 +20,7 @@ from kvstack.cluster.residency import ResidencyLog
 from kvstack.cluster.router import request_keys
 from kvstack.cluster.scoring import Layout
 from kvstack.kv.block_hash import hash_block
-from kvstack.kv.kv_cache_manager import KVCacheManager
+from kvstack.kv.manager import KVCacheManager
 
 KEYS = st.integers(0, 30)  # a small key space, so replicas overlap and prefixes collide
 
