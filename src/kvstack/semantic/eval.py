@@ -45,7 +45,7 @@ from kvstack.semantic.swap import DEFAULT_MIN_SIMILARITY, SwapCheck, SwapGuard
 from kvstack.semantic.swap import REASON as SWAP_REASON
 
 SAFETY_MARGIN = 0.02  # added to the lowest threshold with no false hits on the tuning set
-SWAP_MARGIN = 0.02  # added to the swap guard's lowest safe similarity on the tuning set
+SWAP_MARGIN = 0.02  # added to the highest swap similarity of a tuning near-miss
 THRESHOLDS = tuple(round(0.70 + 0.01 * i, 2) for i in range(29))  # 0.70 .. 0.98
 
 
