@@ -23,6 +23,8 @@ CASES = {
              "memory bandwidth",
     "memory": "KV bytes and tokens per budget for each KV cache dtype, int8 vs float32 decode, "
               "window mode",
+    "verify": "verified drafts: semantic cache off/trust/verify, acceptance over labelled "
+              "pairs, prompt lookup on quoting and non-quoting answers",
 }
 
 

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from kvstack.config import EngineConfig
 from kvstack.drafts.prompt_lookup import propose_drafts
-from kvstack.drafts.verify import remaining_draft
+from kvstack.drafts.verify import next_window, remaining_draft
 from kvstack.engine.builder import build_engine
 from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder, find_stop, stop_holdback
 from kvstack.engine.info import ModelInfo
@@ -39,6 +39,7 @@ class LLMEngine:
         self.kv_storage = parts.kv_storage
         self.kv_manager = parts.kv_manager
         self.kv_tiers = parts.kv_tiers
+        self.lossy_kv_cache = parts.kv_storage is not None and parts.kv_storage.lossy
         self.info = ModelInfo(
             name=config.model, config=parts.model_config, fingerprint=parts.fingerprint,
             dtype=config.dtype, quantization=config.quantization,
@@ -217,10 +218,13 @@ class LLMEngine:
                 continue
             if not request.output_token_ids:
                 self.num_prompt_tokens += request.num_prompt_tokens
+            num_accepted = len(sampled.token_ids) - 1
+            request.draft_window = next_window(request.draft_window, s.num_draft_tokens,
+                                               num_accepted, self.lossy_kv_cache)
             request.num_draft_tokens += s.num_draft_tokens
-            request.num_accepted_tokens += len(sampled.token_ids) - 1
+            request.num_accepted_tokens += num_accepted
             self.num_draft_tokens += s.num_draft_tokens
-            self.num_accepted_tokens += len(sampled.token_ids) - 1
+            self.num_accepted_tokens += num_accepted
             request.draft_token_ids = remaining_draft(request.draft_token_ids,
                                                       sampled.token_ids)
             for k, token in enumerate(sampled.token_ids):

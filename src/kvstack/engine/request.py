@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvstack.drafts.verify import FIRST_WINDOW
 from kvstack.engine.detokenizer import IncrementalDetokenizer
 from kvstack.layers.sampler import SamplingState
 from kvstack.outputs import RequestMetrics
@@ -44,6 +45,7 @@ class Request:
     # Proposed continuation the engine verifies at the request's next sampling step (only the
     # tokens that match the model's own greedy choices are kept; `drafts/`).
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_window: int = FIRST_WINDOW  # most draft tokens fed in one step (drafts/verify.py)
     num_draft_tokens: int = 0  # draft tokens fed to the model so far
     num_accepted_tokens: int = 0  # of those, the ones the model agreed with
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
