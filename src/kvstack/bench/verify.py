@@ -17,17 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvstack.bench.common import (
-    BenchOptions,
-    CaseResult,
-    Subject,
-    TableRow,
-    fmt,
-    fmt_x,
-    median,
-    progress,
-    ratio,
-)
+from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow, progress
+from kvstack.bench.format import fmt, fmt_x, median, ratio
 from kvstack.bench.verify_workloads import (
     Pairs,
     best_threshold,

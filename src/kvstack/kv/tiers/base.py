@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -84,6 +84,18 @@ class KVTier(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook; most tiers hold nothing to release
         """Release connections or handles."""
+
+    def count_run(self, held: Iterable[bool], num_asked: int) -> int:
+        """How many leading blocks are held (a lookup's answer); a run shorter than asked
+        counts one miss."""
+        num = 0
+        for present in held:
+            if not present:
+                break
+            num += 1
+        if num < num_asked:
+            self.stats.add(misses=1)
+        return num
 
 
 class BlockTiers(Protocol):
