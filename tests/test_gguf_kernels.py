@@ -182,6 +182,23 @@ def test_prefill_sized_steps_take_the_dequantized_matmul(qtype: QType) -> None:
     assert_product(lin(x[:4]) - bias, x[:4], w)
 
 
+@needs_kernels
+def test_fusing_and_reordering_rows() -> None:
+    (raw_a, w_a), (raw_b, w_b) = weight(QType.Q4_K, 5, 256, 30), weight(QType.Q4_K, 3, 256, 31)
+    a = GGUFLinear(raw_a, QType.Q4_K, (5, 256), bias=torch.arange(5.0))
+    b = GGUFLinear(raw_b, QType.Q4_K, (3, 256), bias=torch.arange(3.0) + 10)
+    fused = GGUFLinear.cat([a, b])
+    assert fused.out_features == 8 and torch.equal(fused.dequantize(), torch.cat([w_a, w_b]))
+    x = torch.randn(2, 256)
+    assert torch.equal(fused(x), torch.cat([a(x), b(x)], dim=1))
+    index = torch.tensor([7, 0, 3, 3])
+    picked = fused.take_rows(index)
+    assert torch.equal(picked(x), fused(x)[:, index])
+    other = GGUFLinear(weight(QType.Q6_K, 2, 256, 32)[0], QType.Q6_K, (2, 256))
+    with pytest.raises(UnsupportedGGUFTensor, match="different types"):
+        GGUFLinear.cat([a, other])
+
+
 # -- what is refused ----------------------------------------------------------------------
 
 

@@ -99,6 +99,31 @@ class GGUFLinear:
             raise UnsupportedGGUFTensor(f"{tensor.name}: a linear weight is 2-D, got {dims}")
         return cls(tensor.data, tensor.tensor_type, (dims[1], dims[0]), bias, use_kernels)
 
+    @classmethod
+    def cat(cls, parts: list[GGUFLinear]) -> GGUFLinear:
+        """The parts' rows one after another (a fused QKV or gate/up weight): rows are whole
+        blocks, so this is a byte concatenation. Parts must share type and in_features (GGUF
+        files often mix types across q/k/v: then keep them apart); biases all or none."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.in_features != first.in_features for p in parts):
+            raise UnsupportedGGUFTensor(
+                "cannot fuse GGUF weights of different types or widths: "
+                + ", ".join(f"{p.qtype.name}[{p.out_features}, {p.in_features}]" for p in parts))
+        biases = [p.bias32 for p in parts if p.bias32 is not None]
+        if biases and len(biases) != len(parts):
+            raise ValueError("either every part has a bias or none does")
+        bias = torch.cat(biases) if biases else None
+        blocks = torch.cat([p.blocks for p in parts])
+        return cls(blocks, first.qtype, (blocks.shape[0], first.in_features), bias,
+                   use_kernels=first._lib is not None)
+
+    def take_rows(self, index: torch.Tensor) -> GGUFLinear:
+        """A layer whose row i is this one's row index[i] (e.g. undoing convert_hf_to_gguf's
+        Q/K row permutation; rows are whole blocks, so bytes move unchanged)."""
+        bias = self.bias32[index] if self.bias32 is not None else None
+        return GGUFLinear(self.blocks[index], self.qtype, (index.numel(), self.in_features),
+                          bias, use_kernels=self._lib is not None)
+
     @property
     def num_bytes(self) -> int:
         """Bytes held: the blocks (and the bias; not a kernels-off dequantized copy)."""
