@@ -17,7 +17,7 @@
  * Then sum_i w[i] * x[i] = ws * dx * sum_i m[i] q[i] qx[i] + wc * dx * sum_i qx[i].
  *
  * Like gemv.c: output rows are split between OpenMP threads in groups of 4, each group used
- * for every x row (up to 4 a pass), so a step streams each weight block from memory once;
+ * for every x row (up to 8 a pass), so a step streams each weight block from memory once;
  * a row's result never depends on the other rows of its step, nor on the thread count.
  */
 #if defined(__AVX2__) || defined(__F16C__)
@@ -415,12 +415,13 @@ static inline void prefetch_rows(const uint8_t *const rows[4], int64_t from, int
 }
 
 /* R x rows against 4 W rows (nn of them real; the others repeat row 0 and are dropped).
- * One fp32 accumulator per x row holds all 4 W rows (lanes j and j + 4), so up to 4 x rows
- * keep every accumulator in a register. */
+ * One fp32 accumulator per x row holds all 4 W rows (lanes j and j + 4), so 8 x rows a pass
+ * fit the registers (measured: 8-row steps 0-35% faster than two passes of 4, the K-quants
+ * most, as their scales are decoded once instead of twice). */
 #define DEFINE_DOT(T, R)                                                                       \
     static void dot_##T##_##R(const int8_t *xq, const float *dx, const float *sx, int64_t nb,  \
                               const uint8_t *w, int64_t row_bytes, int64_t nn,                \
-                              float out[4][4]) {                                              \
+                              float out[8][4]) {                                              \
         const __m256i ones = _mm256_set1_epi16(1);                                             \
         const uint8_t *rows[4];                                                                \
         for (int j = 0; j < 4; j++) rows[j] = w + (j < nn ? j : 0) * row_bytes;                \
@@ -525,7 +526,7 @@ static void dequant4(int type, const uint8_t *const rows[4], int64_t nb, int64_t
 #define DEFINE_DOT(T, R)                                                                       \
     static void dot_##T##_##R(const int8_t *xq, const float *dx, const float *sx, int64_t nb,  \
                               const uint8_t *w, int64_t row_bytes, int64_t nn,                \
-                              float out[4][4]) {                                              \
+                              float out[8][4]) {                                              \
         for (int r = 0; r < R; r++)                                                            \
             for (int j = 0; j < 4; j++) out[r][j] = 0.f;                                       \
         for (int64_t b = 0; b < nb; b++)                                                       \
@@ -557,7 +558,7 @@ static void dequant4(int type, const uint8_t *const rows[4], int64_t nb, int64_t
 }
 #endif
 
-#define DEFINE_DOTS(T) DEFINE_DOT(T, 1) DEFINE_DOT(T, 2) DEFINE_DOT(T, 3) DEFINE_DOT(T, 4)
+#define DEFINE_DOTS(T) DEFINE_DOT(T, 1) DEFINE_DOT(T, 2) DEFINE_DOT(T, 3) DEFINE_DOT(T, 4) DEFINE_DOT(T, 5) DEFINE_DOT(T, 6) DEFINE_DOT(T, 7) DEFINE_DOT(T, 8)
 DEFINE_DOTS(Q4_0)
 DEFINE_DOTS(Q4_1)
 DEFINE_DOTS(Q5_0)
@@ -567,15 +568,15 @@ DEFINE_DOTS(Q4_K)
 DEFINE_DOTS(Q6_K)
 
 typedef void (*dot_fn)(const int8_t *, const float *, const float *, int64_t, const uint8_t *,
-                       int64_t, int64_t, float[4][4]);
+                       int64_t, int64_t, float[8][4]);
 
-#define DOTS_OF(T) {dot_##T##_1, dot_##T##_2, dot_##T##_3, dot_##T##_4}
+#define DOTS_OF(T) {dot_##T##_1, dot_##T##_2, dot_##T##_3, dot_##T##_4, dot_##T##_5, dot_##T##_6, dot_##T##_7, dot_##T##_8}
 
 static const dot_fn *dots(int type) {
-    static const dot_fn q4_0[4] = DOTS_OF(Q4_0), q4_1[4] = DOTS_OF(Q4_1),
-                        q5_0[4] = DOTS_OF(Q5_0), q5_1[4] = DOTS_OF(Q5_1),
-                        q8_0[4] = DOTS_OF(Q8_0), q4_k[4] = DOTS_OF(Q4_K),
-                        q6_k[4] = DOTS_OF(Q6_K);
+    static const dot_fn q4_0[8] = DOTS_OF(Q4_0), q4_1[8] = DOTS_OF(Q4_1),
+                        q5_0[8] = DOTS_OF(Q5_0), q5_1[8] = DOTS_OF(Q5_1),
+                        q8_0[8] = DOTS_OF(Q8_0), q4_k[8] = DOTS_OF(Q4_K),
+                        q6_k[8] = DOTS_OF(Q6_K);
     switch (type) {
     case Q4_0: return q4_0;
     case Q4_1: return q4_1;
@@ -615,9 +616,9 @@ int gguf_gemv(int type, const float *x, int64_t rows, int64_t k, const uint8_t *
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * 4, nn = n - n0 < 4 ? n - n0 : 4;
-            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-                const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;
-                float out[4][4];
+            for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+                const int64_t rr = rows - r0 < 8 ? rows - r0 : 8;
+                float out[8][4];
                 fn[rr - 1](xq + r0 * k, dx + r0 * nb, sx + r0 * nb, nb, w + n0 * row_bytes,
                            row_bytes, nn, out);
                 for (int64_t r = 0; r < rr; r++)
