@@ -86,8 +86,7 @@ class ClusterEngine:
                       **kwargs: Any) -> ClusterEngine:
         """Ask any replica what it serves, then start the background loops."""
         info: ReplicaInfo = await transport.call("describe", Control())
-        if view.layout is None:
-            view.layout = info.layout
+        view.set_layout(info.layout)
         engine = cls(transport, view, info, **kwargs)
         engine.start()
         return engine

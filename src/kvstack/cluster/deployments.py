@@ -23,10 +23,9 @@ from ray.serve.handle import DeploymentHandle
 
 from kvstack.cluster.client import ClusterEngine
 from kvstack.cluster.http import add_cluster_routes
-from kvstack.cluster.ray_router import register_view
 from kvstack.cluster.ray_transport import HandleTransport
 from kvstack.cluster.replica import EngineReplica
-from kvstack.cluster.view import POLICIES, ClusterView
+from kvstack.cluster.view import POLICIES, ClusterView, register_view
 from kvstack.cluster.wire import Control, ReplicaRequest
 from kvstack.errors import InvalidRequestError
 from kvstack.server.app import create_app
@@ -109,10 +108,10 @@ class Ingress:
         self.engine = await ClusterEngine.connect(HandleTransport(engine), view,
                                                   send_text=spec.router == "ray-prefix")
         app = create_app(self.engine, KeyRing(list(spec.api_keys)), spec.server_config)
-        self.app = add_cluster_routes(app)
+        self.asgi_app = add_cluster_routes(app)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return self.app
+        return self.asgi_app
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -137,6 +136,8 @@ def build_app(spec: ClusterSpec) -> Any:
         health_check_timeout_s=spec.health_check_timeout_s,
         graceful_shutdown_timeout_s=5.0,
         request_router_config=router_config,
+        # Stats and snapshot calls come every second: only errors are worth a log line.
+        logging_config={"enable_access_log": False},
     )
     ingress = serve.deployment(Ingress, name=INGRESS, num_replicas=1,
                                ray_actor_options={"num_cpus": 0},

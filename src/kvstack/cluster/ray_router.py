@@ -8,34 +8,21 @@ least-busy replica of the first rank with room (`max_ongoing_requests`).
 The ingress creates the `ClusterView` and registers it (`register_view`) before its handle
 makes a router, so the view it reads for /v1/cluster and feeds with snapshots is the one the
 router decides with; a router in a process without a registered view makes its own.
+Ray pickles this module by value (its classes travel to the handle owner's process), so it
+keeps no state of its own: the registry lives in `view`, which is imported there as usual.
 Calls carrying a `Control` go to their target replica (any replica when it is gone: the
 replica then refuses); anything else is routed by load alone.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from kvstack.cluster.view import ClusterView
+from kvstack.cluster.view import ClusterView, registered_view
 from kvstack.cluster.wire import Control, ReplicaRequest
-
-_VIEWS: dict[tuple[str, str], ClusterView] = {}
-_VIEWS_LOCK = threading.Lock()
-
-
-def register_view(app_name: str, deployment_name: str, view: ClusterView) -> None:
-    """The view the next router made in this process for that deployment will use."""
-    with _VIEWS_LOCK:
-        _VIEWS[(app_name, deployment_name)] = view
-
-
-def registered_view(app_name: str, deployment_name: str) -> ClusterView | None:
-    with _VIEWS_LOCK:
-        return _VIEWS.get((app_name, deployment_name))
 
 
 class KvstackRouter(RequestRouter):

@@ -101,6 +101,12 @@ class ClusterView:
         if layout is not None:
             self._build_router(layout)
 
+    def set_layout(self, layout: Layout) -> None:
+        """The layout requests are hashed under (the ingress learns it from a replica)."""
+        with self._lock:
+            if self.router is None:
+                self._build_router(layout)
+
     def _build_router(self, layout: Layout) -> None:
         self.layout = layout
         self.router = CacheAwareRouter(layout, self.scoring,
@@ -316,6 +322,22 @@ class ClusterView:
                                "decision_us": _percentiles(self.decision_cpu_ns),
                                "decision_wall_us": _percentiles(self.decision_wall_ns),
                                "prediction": self.accuracy.as_dict()}}
+
+
+_VIEWS: dict[tuple[str, str], ClusterView] = {}
+_VIEWS_LOCK = threading.Lock()
+
+
+def register_view(app_name: str, deployment_name: str, view: ClusterView) -> None:
+    """The view the routers made afterwards in this process for that deployment will use
+    (the ingress registers its own before its handle makes a router)."""
+    with _VIEWS_LOCK:
+        _VIEWS[(app_name, deployment_name)] = view
+
+
+def registered_view(app_name: str, deployment_name: str) -> ClusterView | None:
+    with _VIEWS_LOCK:
+        return _VIEWS.get((app_name, deployment_name))
 
 
 def _percentiles(values: deque[int]) -> dict[str, float | None]:
