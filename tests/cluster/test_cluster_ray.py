@@ -35,7 +35,8 @@ from kvstack.cluster.view import ClusterView, register_view
 from kvstack.engine.chat import chat_token_ids
 from kvstack.server.auth import Tenant
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # Ray on pydantic 2
 
 MODEL = "smollm2-135m"
 KEYS = ("sk-alice", "sk-bob")
