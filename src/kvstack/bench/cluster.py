@@ -26,7 +26,7 @@ import numpy as np
 from kvstack.bench.cluster_sim import calibrate, run_simulation
 from kvstack.bench.cluster_workload import Workload, WorkloadConfig, make_workload, play
 from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow, ratio
-from kvstack.cluster.scoring import Layout
+from kvstack.errors import InvalidRequestError
 
 LOAD = 0.85
 NUM_REPLICAS = 2
@@ -52,13 +52,16 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         return run_simulation(subject, options)
     from kvstack.cluster.launch import LocalRedis, RayInstance, free_port, start_http
 
-    rates = calibrate(subject, options)
-    config = WorkloadConfig(tenants=2 if options.quick else 3)
+    if subject.tokenizer is None:
+        raise InvalidRequestError(f"bench cluster serves HTTP, which needs a tokenizer; "
+                                  f"{options.model} has none")
+    rates, layout = calibrate(subject, options)
+    vocab = subject.checkpoint.config.vocab_size
+    config = WorkloadConfig(tenants=2 if options.quick else 3,
+                            token_range=(min(100, vocab // 2), min(49_000, vocab)))
     num_requests = options.requests or (10 if options.quick else 60)
     rate = _arrival_rate(config, rates)
     workload = make_workload(config, num_requests, rate, seed=0)
-    info = subject.llm(kv_cache_memory="16MiB").info  # the replicas' fingerprint and KV layout
-    layout = Layout(info.fingerprint, info.block_size, info.kv_cache_dtype)
     shape = subject.kv_shape()
     kv_blocks = int(workload.distinct_prefix_tokens / 1.4 / shape.block_size) + 1
     results = {}
@@ -107,7 +110,8 @@ def _run_policy(spec: Run, options: BenchOptions, url: str, workload: Workload,
     from kvstack.server.state import ServerConfig
 
     llm_kwargs = {"model": options.model, "kv_cache_memory": kv_bytes,
-                  "kv_redis_url": redis_url}
+                  "kv_redis_url": redis_url, "dtype": options.dtype or "float32",
+                  "quantization": options.quantization}
     app_name = f"bench-{spec.name.replace('+', '-')}"
     cluster = ClusterSpec(NUM_REPLICAS, llm_kwargs, replica_threads=options.threads,
                           max_num_seqs=MAX_NUM_SEQS, router=spec.router,

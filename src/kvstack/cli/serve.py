@@ -77,6 +77,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     semantic.add_argument("--semantic-max-entries", type=positive_int, default=None,
                           metavar="N", help="entries kept; the least recently used go first "
                           "(default: 10000)")
+    _add_cluster_args(parser)
+    add_model_args(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+ROUTERS = ("cache-aware", "round-robin", "pow2")
+
+
+def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group(
         "replicas (Ray Serve; needs the 'cluster' extra)",
         "run N engine replicas behind one endpoint, routed by the KV blocks each holds, "
@@ -92,12 +102,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "--head`) instead of starting a local Ray instance")
     cluster.add_argument("--replica-threads", type=positive_int, default=None, metavar="T",
                          help="torch threads (and Ray CPUs) per replica (default 1)")
-    add_model_args(parser)
-    parser.set_defaults(run=run)
-    return parser
 
-
-ROUTERS = ("cache-aware", "round-robin", "pow2")
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -112,3 +113,55 @@ def undeploy(name: str) -> None:
     from ray import serve
 
     serve.delete(name, _blocking=True)
+
+
+class LocalRedis:
+    """A throwaway `redis-server` (Debian's binary) on a free loopback port, in a temp dir,
+    without persistence: the shared KV tier of a benchmark run."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._dir: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> LocalRedis:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ClusterStartError("redis-server is not installed; run `make redis-server` "
+                                    "(apt-get install redis-server)")
+        self._dir = Path(tempfile.mkdtemp(prefix="kvstack-redis-"))
+        self._proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self._dir),
+             "--save", "", "--appendonly", "no", "--logfile", str(self._dir / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                self.client().ping()
+                return self
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.1)
+        self.__exit__(None, None, None)
+        raise ClusterStartError("redis-server did not answer within 10 s")
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis.from_url(self.url, socket_timeout=5)
+
+    def flush(self) -> None:
+        self.client().flushall()
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+            self._proc = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
