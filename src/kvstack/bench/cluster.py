@@ -196,13 +196,16 @@ def _summary(results: dict[str, dict[str, Any]], verdict: dict[str, Any]) -> str
         value = results.get(name, {}).get("hit_rate")
         return "n/a" if value is None else f"{value:.0%}"
 
-    ttft = verdict["ttft_p50_vs_round_robin"]
-    thr = verdict["throughput_vs_round_robin"]
+    def x(value: float | None, digits: int = 1) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}x"
+
+    decision = verdict["decision_p99_us"]
     return (f"cluster: 2 replicas, hit rate cache-aware {pct('cache-aware')} / oracle "
             f"{pct('oracle')} / round-robin {pct('round-robin')}; cache-aware vs round-robin "
-            f"TTFT p50 {ttft or 0:.1f}x lower, throughput {thr or 0:.2f}x; with Redis TTFT p50 "
-            f"{verdict['redis_ttft_p50_vs_round_robin_redis'] or 0:.1f}x lower; decision p99 "
-            f"{(verdict['decision_p99_us'] or 0) / 1000:.2f} ms")
+            f"TTFT p50 {x(verdict['ttft_p50_vs_round_robin'])} lower, throughput "
+            f"{x(verdict['throughput_vs_round_robin'], 2)}; with Redis TTFT p50 "
+            f"{x(verdict['redis_ttft_p50_vs_round_robin_redis'])} lower; decision p99 "
+            + ("n/a" if decision is None else f"{decision / 1000:.2f} ms"))
 
 
 def _table(results: dict[str, dict[str, Any]]) -> list[TableRow]:
