@@ -69,7 +69,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
                                             log_to_driver=False):
         url = f"http://127.0.0.1:{free_port()}"
         start_http("127.0.0.1", int(url.rsplit(":", 1)[1]))
-        for spec in QUICK_RUNS if options.quick else RUNS:
+        for spec in _runs(options):
             pins = workload.oracle_pins(layout, NUM_REPLICAS) if spec.router == "oracle" else {}
             results[spec.name] = _run_policy(spec, options, url, workload, redis.url if
                                              spec.redis else None, kv_blocks * shape.
@@ -88,6 +88,12 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     return CaseResult("cluster", _summary(results, verdict), config_out,
                       {"calibration": rates, "policies": results, "targets": verdict},
                       table=_table(results))
+
+
+def _runs(options: BenchOptions) -> tuple[Run, ...]:
+    if options.policies:
+        return tuple(r for r in RUNS if r.name in options.policies)
+    return QUICK_RUNS if options.quick else RUNS
 
 
 def _arrival_rate(config: WorkloadConfig, rates: dict[str, float]) -> float:
@@ -155,7 +161,11 @@ def _figures(samples: list[dict[str, Any]], elapsed: float,
         "throughput_requests_per_s": len(ok) / elapsed, "makespan_s": elapsed,
         "queue_imbalance": max(computed) / (sum(computed) / len(computed))
         if computed and sum(computed) else 1.0,
-        "routed": {r["name"]: r["routed"] for r in state["replicas"]},
+        # Per replica: prompt tokens it received and computed (Ray's own router bypasses the
+        # view, so these come from the engines, not from the router's decision counts).
+        "replicas": {r["name"]: {"prompt_tokens": r["engine"]["hit_tokens"],
+                                 "routed_by_view": r["routed"]}
+                     for r in state["replicas"] if "engine" in r},
         "decision_us": router["decision_us"] if ours and router["decisions"] else None,
         "prediction": router["prediction"], "ingress": state["ingress"],
     }

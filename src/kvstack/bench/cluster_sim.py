@@ -62,11 +62,14 @@ def calibrate(subject: Subject, options: BenchOptions) -> tuple[dict[str, float]
     llm = subject.llm(kv_cache_memory="256MiB")
     info = llm.info
     layout = Layout(info.fingerprint, info.block_size, info.kv_cache_dtype)
-    prompt = [100 + (i * 7919) % 40_000 for i in range(1000)]
+    vocab = subject.checkpoint.config.vocab_size
+    low = min(100, vocab // 2)  # clear of the special tokens
+    length = min(1000, subject.max_model_len - 40)
+    prompt = [low + (i * 7919) % (vocab - low) for i in range(length)]
     started = time.perf_counter()
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
     prefill = len(prompt) / (time.perf_counter() - started)
-    out = llm.generate({"prompt_token_ids": prompt[:50]},
+    out = llm.generate({"prompt_token_ids": prompt[:min(50, length)]},
                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
     decode = out.metrics.decode_rate(len(out.outputs[0].token_ids)) or 1.0
     llm.close()
@@ -107,7 +110,6 @@ def run_simulation(subject: Subject, options: BenchOptions) -> CaseResult:
     results = simulate(requests, replicas, tenants, seed=0, policies=SIM_POLICIES, cost=cost,
                        trace=trace, progress=progress)
     rows = [asdict(r) for r in results]
-    print(format_results(results), flush=True)
     return CaseResult(
         "cluster-sim", _summary(results),
         {"requests": requests, "replicas": list(replicas), "tenants": list(tenants),
@@ -131,7 +133,7 @@ def _summary(results: list[SimResult]) -> str:
         parts.append(f"{replicas}x{tenants}t: hit {r.hit_rate:.0%} vs rr "
                      f"{rr.hit_rate if rr else 0:.0%} / trie {trie.hit_rate if trie else 0:.0%}, "
                      f"TTFT p50 {r.ttft_p50_s:.1f} s, decision p99 {r.decision_us_p99:.0f} us")
-    return "cluster --simulate: " + "; ".join(parts)
+    return "cluster-sim: " + "; ".join(parts)
 
 
 def describe(results: list[dict[str, Any]]) -> str:

@@ -66,6 +66,7 @@ class BenchOptions:
     # cluster: the routing simulator instead of a real cluster, and its sizes
     simulate: bool = False
     requests: int | None = None  # None: the case's default
+    policies: tuple[str, ...] = ()  # cluster: which runs (empty: the case's default)
     sim_replicas: tuple[int, ...] = ()
     sim_tenants: tuple[int, ...] = ()
 

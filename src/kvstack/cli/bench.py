@@ -7,7 +7,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from kvstack.argtypes import DEFAULT_MODEL, positive_int
+from kvstack.argtypes import DEFAULT_MODEL, name_list, positive_int
 
 # name -> help; `all` runs them in this order. Each lives in kvstack.bench.<name> as
 # `run(subject, options) -> CaseResult`, imported only when run (transformers loads slowly).
@@ -28,6 +28,9 @@ CASES = {
 }
 # `all` runs these: the cluster case needs Ray and redis-server and takes most of an hour.
 ALL_CASES = [name for name in CASES if name != "cluster"]
+# bench cluster's runs, in order (kvstack.bench.cluster.RUNS; a test keeps both the same)
+CLUSTER_RUNS = ("round-robin", "pow2", "ray-prefix", "cache-aware", "oracle",
+                "cache-aware+redis", "round-robin+redis")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -97,6 +100,10 @@ def _cluster_flags() -> argparse.ArgumentParser:
     cluster.add_argument("--simulate", action="store_true",
                          help="drive the pure scorer on simulated clusters (16-256 replicas, "
                          "costs calibrated on this machine) instead of a real 2-replica one")
+    cluster.add_argument("--policies", type=name_list(CLUSTER_RUNS, "policy"), default=None,
+                         metavar="LIST", help="comma-separated runs, from "
+                         f"{', '.join(CLUSTER_RUNS)} (default: all; --quick: round-robin, "
+                         "cache-aware, cache-aware+redis)")
     cluster.add_argument("--requests", type=positive_int, default=None, metavar="N",
                          help="requests in the trace (default 60; --simulate 100000)")
     cluster.add_argument("--sim-replicas", type=positive_int, nargs="+", default=None,
@@ -127,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         simulate=getattr(args, "simulate", False),
         requests=getattr(args, "requests", None),
+        policies=tuple(getattr(args, "policies", None) or ()),
         sim_replicas=tuple(getattr(args, "sim_replicas", None) or ()),
         sim_tenants=tuple(getattr(args, "sim_tenants", None) or ()),
     )
