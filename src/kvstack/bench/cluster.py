@@ -145,6 +145,14 @@ def _figures(samples: list[dict[str, Any]], elapsed: float,
     out_tokens = sum(s["completion_tokens"] for s in ok)
     hit = state["hit_tokens"]
     total = sum(hit.values())
+    source = "replicas' engine counters"
+    if not total:
+        # Ray's own router bypasses our view, which then polls no replica: count what the
+        # engines reported to the clients instead (no tier in that run: every hit is memory).
+        cached = sum(s["cached_tokens"] for s in ok)
+        total = sum(s["prompt_tokens"] for s in ok)
+        hit = {"memory": cached, "disk": 0, "redis": 0, "computed": total - cached}
+        source = "usage.cached_tokens of the answers"
     computed = [r["engine"]["hit_tokens"]["computed"] for r in state["replicas"]
                 if "engine" in r]
     router = state["router"]
@@ -153,6 +161,7 @@ def _figures(samples: list[dict[str, Any]], elapsed: float,
         "requests": len(samples), "errors": len(samples) - len(ok),
         "hit_rate": (total - hit["computed"]) / total if total else 0.0,
         "hit_rate_by_source": {k: v / total if total else 0.0 for k, v in hit.items()},
+        "hit_counts_from": source,
         "client_cached_fraction": sum(s["cached_tokens"] for s in ok) /
         max(sum(s["prompt_tokens"] for s in ok), 1),
         "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
@@ -160,7 +169,7 @@ def _figures(samples: list[dict[str, Any]], elapsed: float,
         "throughput_tokens_per_s": out_tokens / elapsed,
         "throughput_requests_per_s": len(ok) / elapsed, "makespan_s": elapsed,
         "queue_imbalance": max(computed) / (sum(computed) / len(computed))
-        if computed and sum(computed) else 1.0,
+        if computed and sum(computed) else None,
         # Per replica: prompt tokens it received and computed (Ray's own router bypasses the
         # view, so these come from the engines, not from the router's decision counts).
         "replicas": {r["name"]: {"prompt_tokens": r["engine"]["hit_tokens"],

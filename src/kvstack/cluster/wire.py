@@ -52,6 +52,12 @@ class Control:
     args: tuple[Any, ...] = ()
     request_id: str = ""  # routers look for an id; control calls are never decisions
 
+    @property
+    def prompt(self) -> str:
+        """Text for routers that insist on reading some (Ray's PrefixCacheAffinityRouter
+        fails a request without it); such a router cannot aim a call at one replica."""
+        return f"kvstack control call for replica {self.target or 'any'}"
+
 
 @dataclass(frozen=True)
 class ReplicaInfo:
