@@ -177,6 +177,9 @@ def _figures(samples: list[dict[str, Any]], elapsed: float,
                      for r in state["replicas"] if "engine" in r},
         "decision_us": router["decision_us"] if ours and router["decisions"] else None,
         "prediction": router["prediction"], "ingress": state["ingress"],
+        "report_age_us": router.get("report_age_us"),
+        "report_key_bytes_per_report": sum(r["report_key_bytes"] for r in state["replicas"]) /
+        max(sum(r["reports"] for r in state["replicas"]), 1),
     }
 
 

@@ -42,8 +42,9 @@ class _Member:
     routed: int = 0
     predicted_tokens: int = 0
     actual_tokens: int = 0
-    reports: int = 0
+    reports: int = 0  # distinct reports received (Ray re-sends unchanged ones)
     report_bytes: int = 0
+    last_as_of: float = 0.0
 
 
 @dataclass
@@ -96,6 +97,7 @@ class ClusterView:
         self.accuracy = Accuracy()
         self.decision_cpu_ns: deque[int] = deque(maxlen=_KEEP_DECISIONS)
         self.decision_wall_ns: deque[int] = deque(maxlen=_KEEP_DECISIONS)
+        self.report_age_ns: deque[int] = deque(maxlen=_KEEP_DECISIONS)
         self.num_decisions = self.num_guarded = self.num_snapshots = 0
         self.num_removed = 0
         if layout is not None:
@@ -146,8 +148,13 @@ class ClusterView:
                 self.router.remove_replica(name)
             self.router.add_replica(name, report.layout)
         member.capacity_blocks = report.capacity_blocks
-        member.reports += 1
-        member.report_bytes += report_bytes(raw or {})
+        if report.load.as_of > member.last_as_of:
+            # How old a replica's report is when it reaches the router: the view's staleness
+            # (the poll period plus Ray's broadcast; one clock on one machine).
+            member.last_as_of = report.load.as_of
+            member.reports += 1
+            member.report_bytes += report_bytes(raw or {})
+            self.report_age_ns.append(int(max(now - report.load.as_of, 0.0) * 1e9))
         for batch in report.batches:
             self.router.index.apply_events(name, batch)
         load = report.load
@@ -321,6 +328,7 @@ class ClusterView:
                                "replicas_removed": self.num_removed,
                                "decision_us": _percentiles(self.decision_cpu_ns),
                                "decision_wall_us": _percentiles(self.decision_wall_ns),
+                               "report_age_us": _percentiles(self.report_age_ns),
                                "prediction": self.accuracy.as_dict()}}
 
 
