@@ -205,8 +205,9 @@ class ClusterView:
             allowed = [c for c in candidates if c not in request.exclude] or list(candidates)
             ranks = self._rank(request, allowed, now) if allowed else []
             self.num_decisions += 1
-        self.decision_cpu_ns.append(time.thread_time_ns() - cpu0)
-        self.decision_wall_ns.append(time.perf_counter_ns() - wall0)
+            # Under the lock: summaries read these deques from another thread.
+            self.decision_cpu_ns.append(time.thread_time_ns() - cpu0)
+            self.decision_wall_ns.append(time.perf_counter_ns() - wall0)
         return ranks
 
     def _rank(self, request: ReplicaRequest, allowed: list[str], now: float) -> list[list[str]]:
