@@ -20,6 +20,7 @@ from kvstack.engine.scheduler import Scheduler, SchedulerOutput
 from kvstack.engine.stats import EngineStats
 from kvstack.engine.tokenizer import check_token_ids
 from kvstack.errors import CapacityError, InvalidRequestError, PromptTooLongError
+from kvstack.kv.block_pool import BlockListener
 from kvstack.kv.tiers.base import TierStats
 from kvstack.layers.sampler import Sampler
 from kvstack.outputs import CompletionOutput, RequestOutput
@@ -306,6 +307,13 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         return self.kv_manager.reset_prefix_cache() if self.kv_manager else 0
+
+    def add_block_listener(self, listener: BlockListener) -> None:
+        """Tell `listener` of every block hash entering or leaving the prefix cache (on the
+        step thread; a cluster replica publishes them to its router)."""
+        if self.kv_manager is None or not self.kv_manager.enable_prefix_caching:
+            raise InvalidRequestError("block listeners need the prefix cache; turn it on")
+        self.kv_manager.pool.add_listener(listener)
 
     def pin_prefix(
         self, token_ids: Sequence[int], cache_salt: str | None, ttl_s: float

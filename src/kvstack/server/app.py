@@ -1,6 +1,7 @@
-"""The FastAPI app: OpenAI and Anthropic routes over one `AsyncLLM`, plus /health, /metrics.
+"""The FastAPI app: OpenAI and Anthropic routes over one engine, plus /health, /metrics.
 
 `create_app(LLM(...), api_keys=[...])` is all a caller needs; `kvstack serve` wraps it in uvicorn.
+The engine may also be any `EngineClient`, e.g. the cluster's client over Ray Serve replicas.
 The server translates HTTP to engine calls and back; it owns no cache policy of its own.
 """
 
@@ -20,6 +21,7 @@ from kvstack.semantic.cache import SemanticCache
 from kvstack.server import anthropic_api, openai_api, semantic_api
 from kvstack.server.auth import KeyRing
 from kvstack.server.body import BodyLimit
+from kvstack.server.engine_client import EngineClient
 from kvstack.server.errors import error_response, install_handlers
 from kvstack.server.state import ServerConfig, ServerState
 
@@ -27,24 +29,26 @@ __all__ = ["ServerConfig", "create_app"]
 
 
 def create_app(
-    llm: LLM | LLMEngine | AsyncLLM,
+    llm: LLM | LLMEngine | EngineClient,
     api_keys: Sequence[str] | KeyRing = (),
     config: ServerConfig | None = None,
     semantic_cache: SemanticCache | None = None,
 ) -> FastAPI:
     """An app serving `llm`. Each API key is a tenant; with none, the API is open.
 
-    Given an `AsyncLLM` the caller keeps ownership of it; otherwise the app makes one and shuts
-    it down (after in-flight requests drained) when the server stops. Likewise a given
+    Given an `AsyncLLM` (or another `EngineClient`) the caller keeps ownership of it; given an
+    `LLM` or `LLMEngine` the app makes an `AsyncLLM` and shuts it down (after in-flight requests
+    drained) when the server stops. Likewise a given
     `semantic_cache` stays the caller's; `config.semantic` makes one the app closes.
     """
     config = config or ServerConfig()
     keys = api_keys if isinstance(api_keys, KeyRing) else KeyRing(api_keys)
-    owned = not isinstance(llm, AsyncLLM)
-    if isinstance(llm, AsyncLLM):
-        engine = llm
-    else:
+    owned = isinstance(llm, (LLM, LLMEngine))
+    engine: EngineClient
+    if isinstance(llm, (LLM, LLMEngine)):
         engine = AsyncLLM(llm.engine if isinstance(llm, LLM) else llm, config.max_waiting)
+    else:
+        engine = llm
     try:
         state = _state(engine, keys, config, semantic_cache)
     except BaseException:
@@ -62,7 +66,7 @@ def create_app(
     return app
 
 
-def _state(engine: AsyncLLM, keys: KeyRing, config: ServerConfig,
+def _state(engine: EngineClient, keys: KeyRing, config: ServerConfig,
            semantic_cache: SemanticCache | None) -> ServerState:
     state = ServerState(engine, keys, config)
     fingerprint = engine.info.fingerprint

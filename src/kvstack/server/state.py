@@ -10,11 +10,11 @@ from typing import Any
 
 from fastapi import Request
 
-from kvstack.engine.async_llm import AsyncLLM
 from kvstack.errors import InvalidRequestError, PromptTooLongError
 from kvstack.sampling_params import SamplingParams
 from kvstack.semantic.cache import SemanticCacheConfig
 from kvstack.server.auth import KeyRing
+from kvstack.server.engine_client import EngineClient
 from kvstack.server.errors import ApiError
 from kvstack.server.generation import Generation, OutputStream
 from kvstack.server.metrics import ServerMetrics
@@ -51,7 +51,7 @@ class ServerConfig:
 class ServerState:
     """What every route needs: the engine, its tokenizer and limits, keys and metrics."""
 
-    def __init__(self, engine: AsyncLLM, keys: KeyRing, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, keys: KeyRing, config: ServerConfig) -> None:
         if engine.tokenizer is None:
             raise InvalidRequestError("the server needs a tokenizer; load the model with one")
         info = engine.info

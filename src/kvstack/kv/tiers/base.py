@@ -52,6 +52,16 @@ class TierStats:
         """Load bandwidth: payload bytes over time spent loading and checking them."""
         return self.bytes_loaded / self.load_seconds if self.load_seconds else None
 
+    def __getstate__(self) -> dict[str, object]:
+        # Counters travel between processes (a cluster replica's stats); a lock cannot.
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def snapshot(self) -> TierStats:
         with self._lock:
             return TierStats(self.name, self.hits, self.misses, self.stores, self.bytes_loaded,
