@@ -15,6 +15,7 @@ from kvstack.engine.core import LLMEngine
 from kvstack.engine.info import ModelInfo
 from kvstack.engine.stats import EngineStats
 from kvstack.errors import KvstackError
+from kvstack.kv.snapshot import KVSnapshot
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 
@@ -202,6 +203,12 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         with self._lock:
             return self.engine.stats()
+
+    def cache_snapshot(self) -> KVSnapshot | None:
+        """`LLMEngine.cache_snapshot` under the engine lock (blocking: call it off the event
+        loop). The live view takes one a second, whatever the number of pages open."""
+        with self._lock:
+            return self.engine.cache_snapshot()
 
     def num_unfinished(self) -> int:
         with self._lock:

@@ -20,9 +20,10 @@ from kvstack.engine.scheduler import Scheduler, SchedulerOutput
 from kvstack.engine.stats import EngineStats
 from kvstack.engine.tokenizer import check_token_ids
 from kvstack.errors import CapacityError, InvalidRequestError, PromptTooLongError
+from kvstack.kv.snapshot import KVSnapshot
 from kvstack.kv.tiers.base import TierStats
 from kvstack.layers.sampler import Sampler
-from kvstack.outputs import CompletionOutput, RequestOutput
+from kvstack.outputs import DRAFT, MODEL, CompletionOutput, RequestOutput
 from kvstack.sampling_params import SamplingParams
 
 
@@ -223,8 +224,10 @@ class LLMEngine:
             self.num_accepted_tokens += len(sampled.token_ids) - 1
             request.draft_token_ids = remaining_draft(request.draft_token_ids,
                                                       sampled.token_ids)
+            num_drafted = len(sampled.token_ids) - 1  # the rest of a verify step's tokens
             for k, token in enumerate(sampled.token_ids):
                 self.num_generation_tokens += 1
+                request.add_output_source(DRAFT if k < num_drafted else MODEL)
                 logprob = sampled.logprobs[k] if sampled.logprobs is not None else None
                 reason = self._append_token(request, token, logprob, now)
                 if reason is not None:
@@ -296,6 +299,7 @@ class LLMEngine:
                              if sp.prompt_logprobs is not None else None),
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
+            provenance=request.provenance(),
         )
 
     # -- cache control and stats ------------------------------------------------------------
@@ -358,6 +362,12 @@ class LLMEngine:
             tiers=self.kv_tiers.stats() if self.kv_tiers else (),
             **(asdict(usage) if usage else {}),
         )
+
+    def cache_snapshot(self) -> KVSnapshot | None:
+        """The KV pool right now: each block's state, the published prefix blocks (tokens,
+        tenant salt, hits, tiers) and the requests holding blocks; None without a KV cache.
+        O(blocks) plain copies; call it between steps (AsyncLLM takes the engine lock)."""
+        return self.kv_manager.snapshot() if self.kv_manager is not None else None
 
     def check_integrity(self) -> None:
         if self.kv_manager is not None:
