@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kvstack.semantic.cache import SemanticCacheConfig
 
 API_KEYS_ENV = "KVSTACK_API_KEYS"
+ADMIN_KEY_ENV = "KVSTACK_ADMIN_KEY"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -27,7 +28,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="serve the OpenAI and Anthropic HTTP APIs",
         description="Serve /v1/completions, /v1/chat/completions (OpenAI), /v1/messages "
-        "(Anthropic, with cache_control prompt caching), /v1/models, /health and /metrics.",
+        "(Anthropic, with cache_control prompt caching), /v1/models, /health, /metrics, and "
+        "/ui: a live view of the cache (block pool, prefix tree, charts, a playground).",
     )
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -74,15 +76,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     semantic.add_argument("--semantic-max-entries", type=positive_int, default=None,
                           metavar="N", help="entries kept; the least recently used go first "
                           "(default: 10000)")
+    _add_ui_args(parser)
     add_model_args(parser)
     parser.set_defaults(run=run)
     return parser
+
+
+def _add_ui_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "live view", "GET /ui shows the block pool, the prefix tree, charts and a playground; "
+        "with API keys it asks for one and shows that tenant's text only")
+    group.add_argument("--admin-key", default=None, metavar="KEY",
+                       help=f"a key that shows everyone's blocks and prompts in /ui (not an "
+                       f"API key; also ${ADMIN_KEY_ENV})")
+    group.add_argument("--no-ui", action="store_true",
+                       help="do not serve the live view at /ui")
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
     keys = list(args.api_key or [])
     keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
     return keys
+
+
+def admin_key(args: argparse.Namespace) -> str | None:
+    return args.admin_key if args.admin_key is not None else os.environ.get(ADMIN_KEY_ENV) or None
 
 
 def semantic_config(args: argparse.Namespace) -> SemanticCacheConfig | None:
@@ -110,23 +128,30 @@ def semantic_config(args: argparse.Namespace) -> SemanticCacheConfig | None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvstack.server.app import ServerConfig, create_app
+    from kvstack.server.app import ServerConfig, create_app, stop_streams
     from kvstack.server.auth import KeyRing
 
-    keys = KeyRing(api_keys(args))  # bad flags fail before the model loads
+    keys = KeyRing(api_keys(args), admin_key(args))  # bad flags fail before the model loads
     config = ServerConfig(
         model_name=args.served_model_name or args.model,
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         cache_ttl_scale=args.cache_ttl_scale,
         semantic=semantic_config(args),
+        ui=not args.no_ui,
     )
     # uvicorn re-raises the signal it drained on; a SIGTERM handled to the end is a clean exit.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     llm = load_llm(args, max_num_seqs=args.max_num_seqs,
                    max_pinned_fraction=args.max_pinned_fraction)
     app = create_app(llm, keys, config)
-    server = uvicorn.Server(uvicorn.Config(
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            stop_streams(app)  # open /ui pages must not hold the drain
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.drain_timeout,
     ))
