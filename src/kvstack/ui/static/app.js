@@ -1,5 +1,5 @@
 // kvstack cache view. Plain DOM, canvas and SVG; no library, no build step.
-// Every piece of text that comes from the server is set with textContent (never innerHTML),
+// Every piece of text that comes from the server is set with textContent (never as markup),
 // so a prompt that contains markup shows as text.
 "use strict";
 
