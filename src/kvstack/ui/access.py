@@ -27,7 +27,7 @@ class Viewer:
 
     def owns(self, cache_salt: str | None) -> bool:
         """May this viewer read blocks and requests with this cache salt?"""
-        return self.admin or cache_salt == self.salt
+        return self.role == ADMIN or cache_salt == self.salt
 
     def public(self) -> dict[str, str]:
         return {"role": self.role, "label": self.label}

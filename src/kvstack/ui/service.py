@@ -88,6 +88,7 @@ class UiService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
         self.num_snapshots = 0  # engine snapshots taken (the engine-side cost)
+        self._last: tuple[KVSnapshot | None, dict[Viewer, tuple[str, str]]] = (None, {})
 
     # -- the ticker ---------------------------------------------------------------------------
 
@@ -133,7 +134,12 @@ class UiService:
             return stats, {}
         snap = engine.cache_snapshot()
         self.num_snapshots += 1
-        return stats, {v: self._render(snap, v) for v in viewers}
+        last_snap, last_renders = self._last
+        if last_snap is None or snap is None or not same_content(snap, last_snap):
+            last_renders = {}  # an idle pool is not rendered again
+        renders = {v: last_renders.get(v) or self._render(snap, v) for v in viewers}
+        self._last = (snap, renders)
+        return stats, renders
 
     def _render(self, snap: KVSnapshot | None, viewer: Viewer) -> tuple[str, str]:
         if snap is None:
@@ -218,6 +224,15 @@ class UiService:
         pool, tree = await asyncio.to_thread(self._render, snap, viewer)
         return {"viewer": viewer.public(), "totals": _totals(stats), "pool": json.loads(pool),
                 "tree": json.loads(tree)}
+
+
+def same_content(a: KVSnapshot, b: KVSnapshot) -> bool:
+    """Whether two snapshots would draw the same (published records are shared objects, so
+    identity stands for equality there)."""
+    return (a.states == b.states and a.holders == b.holders and a.uses == b.uses
+            and a.tiers == b.tiers and a.request_salts == b.request_salts
+            and a.published.keys() == b.published.keys()
+            and all(block is b.published[i] for i, block in a.published.items()))
 
 
 def _dumps(value: Any) -> str:

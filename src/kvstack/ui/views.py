@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvstack.kv.snapshot import FREE, RESTORED, KVSnapshot, PublishedBlock
+from kvstack.kv.snapshot import RESTORED, KVSnapshot, PublishedBlock
 from kvstack.ui.access import Viewer
 
 Decode = Callable[[Sequence[int]], str]
@@ -63,63 +63,63 @@ def _owner_salt(snap: KVSnapshot, block_id: int) -> tuple[bool, str | None]:
         return True, published.cache_salt
     for request_id in snap.holders.get(block_id, ()):
         return True, snap.request_salts.get(request_id)
-    return False, None
+    return False, None  # a free block with nothing in it
 
 
 def pool_view(snap: KVSnapshot, viewer: Viewer, node_of: Mapping[int, int],
               labels: Mapping[str | None, str]) -> dict[str, Any]:
-    """The pool map columns (see the module docstring)."""
-    owner, tiers, origin, hashes, tenant = [], [], [], [], []
-    node = [-1] * snap.num_blocks
+    """The pool map columns (see the module docstring). Work is proportional to the blocks
+    that hold something: a free block with no record keeps every column's default."""
+    n = snap.num_blocks
+    owner, tiers, origin = ["-"] * n, ["-"] * n, ["-"] * n
+    hashes: list[str | None] = [None] * n
+    node, tenant = [-1] * n, [-1] * n
     holders: dict[str, list[str]] = {}
     tenants: dict[str, int] = {}
-    for block_id, state in enumerate(snap.states):
-        known, salt = _owner_salt(snap, block_id)
-        mine = known and viewer.owns(salt)
-        owner.append("-" if state == FREE and not known else "m" if mine else "o")
-        tiers.append(_TIER_LETTER.get(snap.tiers.get(block_id, ()), "-"))
+    owns, admin = viewer.owns, viewer.admin
+    for block_id, names in snap.tiers.items():
+        tiers[block_id] = _TIER_LETTER.get(names, "-")
+    for block_id in snap.published.keys() | snap.holders.keys():
+        _, salt = _owner_salt(snap, block_id)
+        if admin:
+            tenant[block_id] = tenants.setdefault(labels.get(salt, "salted"), len(tenants))
+        if not owns(salt):
+            owner[block_id] = "o"
+            continue
+        owner[block_id] = "m"
+        node[block_id] = node_of.get(block_id, -1)
         published = snap.published.get(block_id)
-        origin.append("-" if published is None or not mine
-                      else "r" if published.origin == RESTORED else "c")
-        hashes.append(published.block_hash.hex()[:12] if mine and published else None)
-        if mine:
-            node[block_id] = node_of.get(block_id, -1)
-            ids = [r for r in snap.holders.get(block_id, ()) if viewer.owns(
-                snap.request_salts.get(r))]
-            if ids:
-                holders[str(block_id)] = ids
-        if viewer.admin:
-            label = labels.get(salt, "salted") if known else None
-            tenant.append(-1 if label is None else tenants.setdefault(label, len(tenants)))
+        if published is not None:
+            origin[block_id] = "r" if published.origin == RESTORED else "c"
+            hashes[block_id] = published.block_hash.hex()[:12]
+        ids = [r for r in snap.holders.get(block_id, ()) if owns(snap.request_salts.get(r))]
+        if ids:
+            holders[str(block_id)] = ids
     view: dict[str, Any] = {"states": snap.states, "owner": "".join(owner),
                             "tiers": "".join(tiers), "origin": "".join(origin), "node": node,
                             "hash": hashes, "holders": holders}
-    if viewer.admin:
+    if admin:
         view["tenant"], view["tenants"] = tenant, list(tenants)
     return view
-
-
-def _kind(snap: KVSnapshot, block_id: int) -> tuple[Any, ...]:
-    use = snap.uses.get(block_id)
-    return (snap.states[block_id], use.hits if use else 0, snap.tiers.get(block_id, ()),
-            snap.published[block_id].origin)
 
 
 def prefix_tree(snap: KVSnapshot, viewer: Viewer, texts: TextCache,
                 labels: Mapping[str | None, str]) -> tuple[list[dict[str, Any]], dict[int, int]]:
     """(nodes, block id -> node id) of the viewer's cached prefixes."""
-    visible = {i: b for i, b in snap.published.items() if viewer.owns(b.cache_salt)}
+    owns = viewer.owns
+    visible = {i: b for i, b in snap.published.items() if owns(b.cache_salt)}
     by_hash = {b.block_hash: i for i, b in visible.items()}
     children: dict[int | None, list[int]] = {}
     for block_id, block in visible.items():
         parent = by_hash.get(block.parent_hash) if block.parent_hash is not None else None
         children.setdefault(parent, []).append(block_id)
-
-    def last_used(block_id: int) -> float:
-        use = snap.uses.get(block_id)
-        return use.last_used if use else 0.0
-
-    roots = sorted(children.get(None, []), key=last_used)  # popped last: most recent first
+    uses, states, tiers = snap.uses, snap.states, snap.tiers
+    # What must match for a block to merge into its parent's node: state, hits, tiers, origin.
+    kind = {i: (states[i], uses[i].hits if i in uses else 0, tiers.get(i, ()), b.origin)
+            for i, b in visible.items()}
+    last_used = {i: uses[i].last_used if i in uses else b.published_at
+                 for i, b in visible.items()}
+    roots = sorted(children.get(None, []), key=last_used.__getitem__)  # popped last: newest
     stack: list[tuple[int, int | None]] = [(r, None) for r in roots]
     nodes: list[dict[str, Any]] = []
     node_of: dict[int, int] = {}
@@ -127,33 +127,26 @@ def prefix_tree(snap: KVSnapshot, viewer: Viewer, texts: TextCache,
         block_id, parent = stack.pop()
         run = [block_id]
         kids = children.get(block_id, [])
-        while len(kids) == 1 and _kind(snap, kids[0]) == _kind(snap, run[-1]):
+        while len(kids) == 1 and kind[kids[0]] == kind[block_id]:
             run.append(kids[0])
             kids = children.get(kids[0], [])
         node_id = len(nodes)
-        nodes.append(_node(snap, viewer, run, node_id, parent, texts, labels))
+        blocks = [visible[b] for b in run]
+        state, hits, block_tiers, origin = kind[block_id]
+        node = {
+            "id": node_id, "parent": parent, "blocks": run, "text": texts.text(blocks),
+            "tokens": sum(len(b.token_ids) for b in blocks), "hits": hits, "state": state,
+            "tiers": list(block_tiers), "origin": origin,
+            "last_used": max(last_used[b] for b in run),
+            # The head of this prefix was evicted: no request can reach these blocks any more.
+            "orphan": parent is None and blocks[0].parent_hash is not None,
+        }
+        if viewer.admin:
+            node["tenant"] = labels.get(blocks[0].cache_salt, "salted")
+        nodes.append(node)
         node_of.update((b, node_id) for b in run)
-        stack.extend((kid, node_id) for kid in sorted(kids, key=last_used))
+        stack.extend((kid, node_id) for kid in sorted(kids, key=last_used.__getitem__))
     return nodes, node_of
-
-
-def _node(snap: KVSnapshot, viewer: Viewer, run: list[int], node_id: int, parent: int | None,
-          texts: TextCache, labels: Mapping[str | None, str]) -> dict[str, Any]:
-    blocks = [snap.published[b] for b in run]
-    first_use = snap.uses.get(run[0])
-    state, hits, tiers, origin = _kind(snap, run[0])
-    node = {
-        "id": node_id, "parent": parent, "blocks": run, "text": texts.text(blocks),
-        "tokens": sum(len(b.token_ids) for b in blocks), "hits": hits, "state": state,
-        "tiers": list(tiers), "origin": origin,
-        "last_used": max((u.last_used for b in run if (u := snap.uses.get(b))),
-                         default=first_use.last_used if first_use else blocks[0].published_at),
-        # The head of this prefix was evicted: no request can reach these blocks any more.
-        "orphan": parent is None and blocks[0].parent_hash is not None,
-    }
-    if viewer.admin:
-        node["tenant"] = labels.get(blocks[0].cache_salt, "salted")
-    return node
 
 
 def render(snap: KVSnapshot, viewer: Viewer, texts: TextCache,
