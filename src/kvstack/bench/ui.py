@@ -5,6 +5,10 @@ prefix blocks; one long streamed completion (greedy, `ignore_eos`) at a time, it
 tok/s = (tokens - 1) / (last chunk - first chunk). Runs alternate between no page open and
 five pages' event streams open (ABBA order, so drift in the machine's load hits both arms
 alike); the figure is the median of the per-pair ratios, with every pair's ratio kept.
+Wall-clock rates on a shared machine move by more than 1% from run to run, so the server's
+own CPU time is measured too (/proc/<pid>/stat, every thread): per generated token in each
+run, and per second with the server idle and 0 or 5 pages open. CPU time does not depend on
+how busy the other cores are, so it resolves the view's cost where tok/s cannot.
 
 Directly: in this process, the same cache state, the time `cache_snapshot()` holds the engine
 (it runs under the engine lock once a tick, however many pages are open) and the time a
@@ -13,10 +17,13 @@ tick's rendering takes off the lock.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,7 +38,7 @@ from kvstack.bench.common import (
     progress,
     topic_texts,
 )
-from kvstack.bench.http_load import server
+from kvstack.bench.http_load import server_process
 from kvstack.errors import InvalidRequestError
 
 NUM_PAGES = 5
@@ -47,6 +54,8 @@ class Pages:
     """`n` open pages: threads reading `/ui/api/events` until stopped."""
 
     def __init__(self, url: str, n: int) -> None:
+        if n < 1:
+            raise ValueError("Pages needs at least one page")
         self.url = url
         self.stop = threading.Event()
         self.ticks = [0] * n
@@ -77,7 +86,33 @@ class Pages:
             thread.join(timeout=10)
 
 
-def decode_rate(url: str, prompt: str, max_tokens: int) -> float:
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process, all its threads (None: not readable)."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(url: str, pid: int | None, seconds: float, pairs: int) -> dict[str, Any]:
+    """The idle server's CPU milliseconds per second with no page and with five open."""
+    per_s: dict[int, list[float]] = {0: [], NUM_PAGES: []}
+    for arm in [a for _ in range(pairs) for a in (0, NUM_PAGES, NUM_PAGES, 0)]:
+        with Pages(url, arm) if arm else contextlib.nullcontext():
+            before, start = cpu_seconds(pid), time.monotonic()
+            time.sleep(seconds)
+            after, elapsed = cpu_seconds(pid), time.monotonic() - start
+        if before is not None and after is not None:
+            per_s[arm].append((after - before) / elapsed * 1000)
+    return {"idle_cpu_ms_per_s": {str(k): v for k, v in per_s.items()},
+            "idle_cpu_ms_per_s_median": {str(k): statistics.median(v) if v else None
+                                         for k, v in per_s.items()}}
+
+
+def decode_rate(url: str, prompt: str, max_tokens: int) -> tuple[float, int]:
     """Decode tok/s of one streamed greedy completion: (completion tokens - 1) over the time
     from the first to the last chunk with text, as the client sees them."""
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -98,7 +133,7 @@ def decode_rate(url: str, prompt: str, max_tokens: int) -> float:
                 num_tokens = chunk["usage"]["completion_tokens"]
     if first is None or last is None or num_tokens < 2 or last == first:
         raise RuntimeError("the measured completion streamed too few tokens")
-    return (num_tokens - 1) / (last - first)
+    return (num_tokens - 1) / (last - first), num_tokens
 
 
 def fill_cache(url: str, num_prompts: int) -> None:
@@ -146,47 +181,70 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
                                   "has none")
     num_prompts, max_tokens, pairs = sizes(options.quick)
     prompt = "Write a long story about a lighthouse keeper and the sea."
-    rates: dict[int, list[float]] = {0: [], NUM_PAGES: []}
+    runs: list[dict[str, Any]] = []
     order = [arm for _ in range(pairs) for arm in (0, NUM_PAGES, NUM_PAGES, 0)]
-    with server(options, POOL_BYTES, 8) as url, progress(options, len(order) + 1, "ui") as bar:
+    with server_process(options, POOL_BYTES, 8) as (url, proc), \
+            progress(options, len(order) + 2, "ui") as bar:
+        pid = proc.pid if proc is not None else None
         fill_cache(url, num_prompts)
         decode_rate(url, prompt, 8)  # warm-up
         bar.update(1)
         for arm in order:
-            if arm:
-                with Pages(url, arm):
-                    rates[arm].append(decode_rate(url, prompt, max_tokens))
-            else:
-                rates[arm].append(decode_rate(url, prompt, max_tokens))
+            with Pages(url, arm) if arm else contextlib.nullcontext():
+                before = cpu_seconds(pid)
+                rate, num_tokens = decode_rate(url, prompt, max_tokens)
+                after = cpu_seconds(pid)
+            cpu = None if before is None or after is None else (after - before) / num_tokens
+            runs.append({"pages": arm, "tok_s": rate, "cpu_ms_per_token":
+                         None if cpu is None else cpu * 1000})
             bar.update(1)
+        idle = idle_cpu(url, pid, 2.0 if options.quick else 10.0, 1 if options.quick else 2)
+        bar.update(1)
     direct = direct_costs(subject, num_prompts)
-    return _result(options, rates, direct, num_prompts, max_tokens, pairs)
+    return _result(options, runs, idle, direct, num_prompts, max_tokens, pairs)
 
 
-def _result(options: BenchOptions, rates: dict[int, list[float]], direct: dict[str, Any],
-            num_prompts: int, max_tokens: int, pairs: int) -> CaseResult:
-    closed, open_ = rates[0], rates[NUM_PAGES]
+def _arm(runs: list[dict[str, Any]], pages: int, key: str) -> list[float]:
+    return [r[key] for r in runs if r["pages"] == pages and r[key] is not None]
+
+
+def _result(options: BenchOptions, runs: list[dict[str, Any]], idle: dict[str, Any],
+            direct: dict[str, Any], num_prompts: int, max_tokens: int,
+            pairs: int) -> CaseResult:
+    closed, open_ = _arm(runs, 0, "tok_s"), _arm(runs, NUM_PAGES, "tok_s")
     ratios = [o / c for o, c in zip(open_, closed, strict=True)]
     ratio = statistics.median(ratios)
+    cpu_closed, cpu_open = _arm(runs, 0, "cpu_ms_per_token"), _arm(runs, NUM_PAGES,
+                                                                   "cpu_ms_per_token")
+    cpu_ratio = (statistics.median(cpu_open) / statistics.median(cpu_closed)
+                 if cpu_closed and cpu_open else None)
+    idle_ms = idle["idle_cpu_ms_per_s_median"]
     share = direct["snapshot_ms"] / 1000  # one snapshot a second
     summary = (
-        f"ui: decode tok/s of a {max_tokens}-token answer with 0 / {NUM_PAGES} open /ui pages "
+        f"ui: {max_tokens}-token answers with 0 / {NUM_PAGES} open /ui pages "
         f"({direct['num_blocks']}-block pool, {direct['cached_blocks']} cached blocks, "
-        f"{2 * pairs} runs each, ABBA) | median {fmt(statistics.median(closed))} / "
-        f"{fmt(statistics.median(open_))} tok/s | {NUM_PAGES} pages / none "
-        f"{fmt_x(ratio)} (pairs {', '.join(f'{r:.3f}' for r in ratios)}) | snapshot under the "
-        f"engine lock {direct['snapshot_ms']:.2f} ms a tick ({share:.3%} of a second), render "
-        f"off the lock {direct['render_ms']:.1f} ms")
+        f"{2 * pairs} runs each, ABBA) | decode {fmt(statistics.median(closed))} / "
+        f"{fmt(statistics.median(open_))} tok/s, {NUM_PAGES} pages / none {fmt_x(ratio)} "
+        f"(pairs {', '.join(f'{r:.3f}' for r in ratios)}) | server CPU per token "
+        f"{fmt(statistics.median(cpu_closed) if cpu_closed else None, 2)} / "
+        f"{fmt(statistics.median(cpu_open) if cpu_open else None, 2)} ms "
+        f"({fmt_x(cpu_ratio)}) | idle server CPU {fmt(idle_ms['0'], 1)} / "
+        f"{fmt(idle_ms[str(NUM_PAGES)], 1)} ms a second | snapshot under the engine lock "
+        f"{direct['snapshot_ms']:.2f} ms a tick ({share:.3%} of a second), render off the "
+        f"lock {direct['render_ms']:.1f} ms")
     return CaseResult(
         case="ui", summary=summary,
         config={"model": options.model, "quick": options.quick, "pages": NUM_PAGES,
                 "max_tokens": max_tokens, "pairs": pairs, "order": "ABBA",
                 "cached_prompts": num_prompts, "kv_cache_memory": POOL_BYTES,
                 "threads": options.threads},
-        results={"decode_tok_s_no_pages": closed, "decode_tok_s_pages": open_,
-                 "ratios": ratios, "median_ratio": ratio, **direct},
+        results={"runs": runs, "ratios": ratios, "median_ratio": ratio,
+                 "cpu_per_token_ratio": cpu_ratio, **idle, **direct},
         table=[TableRow(f"decode tok/s of a {max_tokens}-token answer, {NUM_PAGES} open /ui "
-                        f"pages vs none ({direct['cached_blocks']} cached blocks)",
-                        fmt(statistics.median(open_)),
-                        f"no page {fmt(statistics.median(closed))}", fmt_x(ratio))],
+                        f"pages vs none ({direct['cached_blocks']} cached blocks); server CPU "
+                        "per token", f"{fmt(statistics.median(open_))}, "
+                        f"{fmt(statistics.median(cpu_open) if cpu_open else None, 2)} ms",
+                        f"no page {fmt(statistics.median(closed))}, "
+                        f"{fmt(statistics.median(cpu_closed) if cpu_closed else None, 2)} ms",
+                        fmt_x(ratio))],
     )

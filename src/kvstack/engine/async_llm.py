@@ -206,9 +206,16 @@ class AsyncLLM:
 
     def cache_snapshot(self) -> KVSnapshot | None:
         """`LLMEngine.cache_snapshot` under the engine lock (blocking: call it off the event
-        loop). The live view takes one a second, whatever the number of pages open."""
+        loop)."""
         with self._lock:
             return self.engine.cache_snapshot()
+
+    def stats_and_snapshot(self) -> tuple[EngineStats, KVSnapshot | None]:
+        """Stats and a snapshot of the same moment, in one turn of the engine lock (one
+        hand-over instead of two). The live view takes this once a tick while pages are
+        open, however many they are."""
+        with self._lock:
+            return self.engine.stats(), self.engine.cache_snapshot()
 
     def num_unfinished(self) -> int:
         with self._lock:

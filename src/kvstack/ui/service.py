@@ -65,6 +65,11 @@ class Frame:
     stats: EngineStats
     point: dict[str, Any]
     renders: dict[Viewer, tuple[str, str]] = field(default_factory=dict)  # pool, tree JSON
+    head: str = ""  # the tick event's fields every page gets, as JSON
+
+    def __post_init__(self) -> None:
+        self.head = (f'"seq":{self.seq},"point":{_dumps(self.point)},'
+                     f'"totals":{_dumps(_totals(self.stats))}')
 
 
 def sse(event: str, payload: str) -> str:
@@ -129,10 +134,9 @@ class UiService:
     def _read(self, viewers: list[Viewer]) -> tuple[EngineStats, dict[Viewer, tuple[str, str]]]:
         """Worker thread: the engine's stats, and a snapshot only when someone looks."""
         engine = self.host.engine
-        stats = engine.stats()
         if not viewers:
-            return stats, {}
-        snap = engine.cache_snapshot()
+            return engine.stats(), {}
+        stats, snap = engine.stats_and_snapshot()
         self.num_snapshots += 1
         last_snap, last_renders = self._last
         if last_snap is None or snap is None or not same_content(snap, last_snap):
@@ -193,8 +197,7 @@ class UiService:
                 if frame is None:
                     break
                 seen = frame.seq
-                parts = [f'"seq":{frame.seq}', f'"point":{_dumps(frame.point)}',
-                         f'"totals":{_dumps(_totals(frame.stats))}']
+                parts = [frame.head]
                 pool, tree = frame.renders.get(viewer, (None, None))
                 if pool is not None and pool is not sent_pool:
                     parts.append(f'"pool":{pool}')
@@ -217,10 +220,7 @@ class UiService:
 
     async def state(self, viewer: Viewer) -> dict[str, Any]:
         """One picture now, for scripts and tests: stats, pool map and prefix tree."""
-        def read() -> tuple[EngineStats, KVSnapshot | None]:
-            return self.host.engine.stats(), self.host.engine.cache_snapshot()
-
-        stats, snap = await asyncio.to_thread(read)
+        stats, snap = await asyncio.to_thread(self.host.engine.stats_and_snapshot)
         pool, tree = await asyncio.to_thread(self._render, snap, viewer)
         return {"viewer": viewer.public(), "totals": _totals(stats), "pool": json.loads(pool),
                 "tree": json.loads(tree)}
