@@ -27,6 +27,7 @@ CASES = {
               "pairs, prompt lookup on quoting and non-quoting answers",
     "cluster": "routing policies on a 2-replica Ray Serve cluster (hit rate by source, TTFT, "
                "TPOT, throughput, imbalance, decision time); --simulate: 16-256 replicas",
+    "ui": "what the live view (/ui) costs: decode tok/s with 0 vs 5 open pages, snapshot time",
 }
 # `all` runs these: the cluster case needs Ray and redis-server and takes most of an hour.
 ALL_CASES = [name for name in CASES if name != "cluster"]
@@ -75,7 +76,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     cases = parser.add_subparsers(title="cases", metavar="CASE", dest="case", required=True)
     for name, text in CASES.items():
         parents = [shared, *{"throughput": [peer_batch], "serve": [serve_url],
-                             "cluster": [cluster]}.get(name, [])]
+                             "cluster": [cluster], "ui": [serve_url]}.get(name, [])]
         cases.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
                          parents=parents)
     cases.add_parser("all", help="every case in order: " + ", ".join(ALL_CASES),

@@ -20,9 +20,11 @@ from kvstack.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kvstack.semantic.cache import SemanticCacheConfig
+    from kvstack.server.auth import KeyRing
     from kvstack.server.state import ServerConfig
 
 API_KEYS_ENV = "KVSTACK_API_KEYS"
+ADMIN_KEY_ENV = "KVSTACK_ADMIN_KEY"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -30,7 +32,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="serve the OpenAI and Anthropic HTTP APIs",
         description="Serve /v1/completions, /v1/chat/completions (OpenAI), /v1/messages "
-        "(Anthropic, with cache_control prompt caching), /v1/models, /health and /metrics.",
+        "(Anthropic, with cache_control prompt caching), /v1/models, /health, /metrics, and "
+        "/ui: a live view of the cache (block pool, prefix tree, charts, a playground).",
     )
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -78,6 +81,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                           metavar="N", help="entries kept; the least recently used go first "
                           "(default: 10000)")
     _add_cluster_args(parser)
+    _add_ui_args(parser)
     add_model_args(parser)
     parser.set_defaults(run=run)
     return parser
@@ -104,11 +108,25 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                          help="torch threads (and Ray CPUs) per replica (default 1)")
 
 
+def _add_ui_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "live view", "GET /ui shows the block pool, the prefix tree, charts and a playground; "
+        "with API keys it asks for one and shows that tenant's text only")
+    group.add_argument("--admin-key", default=None, metavar="KEY",
+                       help=f"a key that shows everyone's blocks and prompts in /ui (not an "
+                       f"API key; also ${ADMIN_KEY_ENV})")
+    group.add_argument("--no-ui", action="store_true",
+                       help="do not serve the live view at /ui")
+
 
 def api_keys(args: argparse.Namespace) -> list[str]:
     keys = list(args.api_key or [])
     keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
     return keys
+
+
+def admin_key(args: argparse.Namespace) -> str | None:
+    return args.admin_key if args.admin_key is not None else os.environ.get(ADMIN_KEY_ENV) or None
 
 
 def semantic_config(args: argparse.Namespace) -> SemanticCacheConfig | None:
@@ -157,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     from kvstack.server.state import ServerConfig
 
     keys = api_keys(args)
-    KeyRing(keys)  # bad flags fail before the model loads
+    ring = KeyRing(keys, admin_key(args))  # bad flags fail before the model loads
     check_cluster_flags(args)
     config = ServerConfig(
         model_name=args.served_model_name or args.model,
@@ -165,25 +183,33 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         cache_ttl_scale=args.cache_ttl_scale,
         semantic=semantic_config(args),
+        # The live view reads one engine's block pool; a cluster's ingress has none.
+        ui=not args.no_ui and args.replicas is None,
     )
     if args.replicas is not None:
         from kvstack.cli.serve_cluster import run_cluster
 
         return run_cluster(args, keys, config)
-    return _run_one(args, keys, config)
+    return _run_one(args, ring, config)
 
 
-def _run_one(args: argparse.Namespace, keys: list[str], config: ServerConfig) -> int:
+def _run_one(args: argparse.Namespace, keys: KeyRing, config: ServerConfig) -> int:
     import uvicorn
 
-    from kvstack.server.app import create_app
+    from kvstack.server.app import create_app, stop_streams
 
     # uvicorn re-raises the signal it drained on; a SIGTERM handled to the end is a clean exit.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     llm = load_llm(args, max_num_seqs=args.max_num_seqs,
                    max_pinned_fraction=args.max_pinned_fraction)
     app = create_app(llm, keys, config)
-    server = uvicorn.Server(uvicorn.Config(
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            stop_streams(app)  # open /ui pages must not hold the drain
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.drain_timeout,
     ))

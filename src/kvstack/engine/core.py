@@ -21,9 +21,10 @@ from kvstack.engine.stats import EngineStats
 from kvstack.engine.tokenizer import check_token_ids
 from kvstack.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from kvstack.kv.block_pool import BlockListener
+from kvstack.kv.snapshot import KVSnapshot
 from kvstack.kv.tiers.base import TierStats
 from kvstack.layers.sampler import Sampler
-from kvstack.outputs import CompletionOutput, RequestOutput
+from kvstack.outputs import DRAFT, MODEL, CompletionOutput, RequestOutput
 from kvstack.sampling_params import SamplingParams
 
 
@@ -230,6 +231,7 @@ class LLMEngine:
                                                       sampled.token_ids)
             for k, token in enumerate(sampled.token_ids):
                 self.num_generation_tokens += 1
+                request.add_output_source(DRAFT if k < num_accepted else MODEL)
                 logprob = sampled.logprobs[k] if sampled.logprobs is not None else None
                 reason = self._append_token(request, token, logprob, now)
                 if reason is not None:
@@ -301,6 +303,7 @@ class LLMEngine:
                              if sp.prompt_logprobs is not None else None),
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
+            provenance=request.provenance(),
         )
 
     # -- cache control and stats ------------------------------------------------------------
@@ -370,6 +373,12 @@ class LLMEngine:
             tiers=self.kv_tiers.stats() if self.kv_tiers else (),
             **(asdict(usage) if usage else {}),
         )
+
+    def cache_snapshot(self) -> KVSnapshot | None:
+        """The KV pool right now: each block's state, the published prefix blocks (tokens,
+        tenant salt, hits, tiers) and the requests holding blocks; None without a KV cache.
+        O(blocks) plain copies; call it between steps (AsyncLLM takes the engine lock)."""
+        return self.kv_manager.snapshot() if self.kv_manager is not None else None
 
     def check_integrity(self) -> None:
         if self.kv_manager is not None:

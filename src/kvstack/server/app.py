@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI and Anthropic routes over one engine, plus /health, /metrics.
+"""The FastAPI app: OpenAI and Anthropic routes over one engine, plus /health, /metrics
+and the live view of the cache at /ui.
 
 `create_app(LLM(...), api_keys=[...])` is all a caller needs; `kvstack serve` wraps it in uvicorn.
 The engine may also be any `EngineClient`, e.g. the cluster's client over Ray Serve replicas.
@@ -24,8 +25,10 @@ from kvstack.server.body import BodyLimit
 from kvstack.server.engine_client import EngineClient
 from kvstack.server.errors import error_response, install_handlers
 from kvstack.server.state import ServerConfig, ServerState
+from kvstack.server.ui_host import build_ui
+from kvstack.ui.routes import build_router
 
-__all__ = ["ServerConfig", "create_app"]
+__all__ = ["ServerConfig", "create_app", "stop_streams"]
 
 
 def create_app(
@@ -63,7 +66,18 @@ def create_app(
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(semantic_api.router)
+    if state.ui is not None:
+        app.include_router(build_router(state.ui))
     return app
+
+
+def stop_streams(app: FastAPI) -> None:
+    """End the live view's event streams, from any thread (a signal handler included).
+    Call it when shutdown begins: a server waits for open responses, and an open page's
+    stream never ends by itself."""
+    ui = app.state.kvstack.ui
+    if ui is not None:
+        ui.close_threadsafe()
 
 
 def _state(engine: EngineClient, keys: KeyRing, config: ServerConfig,
@@ -76,6 +90,8 @@ def _state(engine: EngineClient, keys: KeyRing, config: ServerConfig,
     elif config.semantic is not None:
         state.semantic = semantic_api.SemanticService.build(config.semantic, fingerprint,
                                                             state.metrics.registry)
+    if config.ui and isinstance(engine, AsyncLLM):  # the view reads one engine's block pool
+        state.ui = build_ui(state)
     return state
 
 
@@ -83,9 +99,13 @@ def _lifespan(state: ServerState,
               owned: bool) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        ticker = asyncio.create_task(state.ui.run()) if state.ui is not None else None
         try:
             yield
         finally:
+            if ticker is not None:
+                state.ui.close()  # type: ignore[union-attr]
+                ticker.cancel()
             if owned:
                 await asyncio.to_thread(state.engine.shutdown)
             if state.semantic is not None:

@@ -7,7 +7,7 @@ engine gauge and counter carries a `replica` label, one sample per live replica.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -88,6 +88,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.finished = Counter("kvstack_requests_finished", "requests finished, by reason",
                                 ["finish_reason"], registry=self.registry)
+        # Told of every finished request too (the live view's latency percentiles).
+        self.listeners: list[Callable[[RequestOutput], None]] = []
 
     def observe(self, out: RequestOutput) -> None:
         """Record a finished request and its timings."""
@@ -99,6 +101,8 @@ class ServerMetrics:
             self.tpot.observe(m.tpot)
         if m.last_token_time is not None:
             self.e2e.observe(m.last_token_time - m.arrival_time)
+        for listener in self.listeners:
+            listener(out)
 
     def observe_abort(self) -> None:
         self.finished.labels("abort").inc()

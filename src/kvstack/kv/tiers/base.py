@@ -124,3 +124,8 @@ class BlockTiers(Protocol):
         """Write these newly complete (block id, hash) blocks through to the tiers, off the
         step thread; never blocks (a full queue drops and counts)."""
         ...
+
+    def presence(self, hashes: Sequence[BlockHash]) -> list[tuple[str, ...]]:
+        """For each hash, the tiers known to hold it (names), from what this process wrote
+        and loaded: no tier is asked, so it is cheap enough for a view refreshed each second."""
+        ...
