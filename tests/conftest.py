@@ -13,14 +13,16 @@ from kvstack.bench.peers import transformers_model
 from kvstack.weights import Checkpoint, load_checkpoint
 
 EMBEDDED = "smollm2-135m"
-_checkpoints: dict[str, Checkpoint] = {}
+_checkpoints: dict[tuple[str, bool], Checkpoint] = {}
 
 
-def cached_checkpoint(model: str) -> Checkpoint:
-    """load_checkpoint, memoized: engines never modify checkpoint tensors in place."""
-    if model not in _checkpoints:
-        _checkpoints[model] = load_checkpoint(model)
-    return _checkpoints[model]
+def cached_checkpoint(model: str, quantization: str | None = None) -> Checkpoint:
+    """load_checkpoint, memoized: engines never modify checkpoint tensors in place. Only
+    quantization="gguf" loads differently (weights kept as GGUF blocks)."""
+    key = (model, quantization == "gguf")
+    if key not in _checkpoints:
+        _checkpoints[key] = load_checkpoint(model, "gguf" if key[1] else None)
+    return _checkpoints[key]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -158,7 +158,8 @@ class EngineConfig:
     num_threads: int | None = None
     # Token-id prompts only, no text out: for checkpoints shipped without a tokenizer.
     skip_tokenizer_init: bool = False
-    # Weight-only quantization of the linear layers: None (weights in `dtype`) or "int8".
+    # Weight-only quantization of the linear layers: None (weights in `dtype`), "int8" or
+    # "gguf" (a GGUF file's own quantized blocks, run as they are; GGUF models only).
     quantization: str | None = None
     # "auto": C kernels for decode-sized products where the CPU has AVX-512 or AVX2 and a compiler;
     # "torch": PyTorch ops only (the reference path).
@@ -167,9 +168,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise InvalidRequestError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.quantization not in (None, "int8"):
+        if self.quantization not in (None, "int8", "gguf"):
             raise InvalidRequestError(
-                f"quantization must be 'int8' or None, got {self.quantization!r}"
+                f"quantization must be 'int8', 'gguf' or None, got {self.quantization!r}"
             )
         if self.kernels not in ("auto", "torch"):
             raise InvalidRequestError(f"kernels must be 'auto' or 'torch', got {self.kernels!r}")

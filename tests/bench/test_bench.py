@@ -167,9 +167,11 @@ def test_peers_case_runs_every_engine_and_reports_ratios(all_results: dict[str, 
     results, config = data["results"], data["config"]
     engines = results["engines"]
     assert list(engines) == ["kvstack_float32", "kvstack_bfloat16", "kvstack_int8",
-                             "transformers", "llamacpp"]
-    # The tiny model is a safetensors folder: llama.cpp (GGUF only) never runs on it.
+                             "kvstack_gguf", "transformers", "llamacpp"]
+    # The tiny model is a safetensors folder: llama.cpp and our gguf format (GGUF only) never
+    # run on it.
     assert engines["llamacpp"]["skipped"]
+    assert "not a GGUF file" in engines["kvstack_gguf"]["skipped"]
     assert "llama.cpp: skipped" in data["summary"]
     ran = {k: e for k, e in engines.items() if "skipped" not in e}
     assert {"kvstack_float32", "kvstack_bfloat16", "transformers"} <= set(ran)
@@ -208,6 +210,9 @@ def test_peers_formats_follow_the_options(monkeypatch: pytest.MonkeyPatch,
     formats = peers_case.engine_formats(BenchOptions(model="m", threads=1, out=tmp_path))
     assert formats["float32"] == {"dtype": "float32"}
     assert "no `quantization`" in formats["int8"]
+    assert "not a GGUF file" in formats["gguf"]
+    gguf = peers_case.engine_formats(BenchOptions(model="smollm2-135m", threads=1, out=tmp_path))
+    assert gguf["gguf"] == {"quantization": "gguf"}
 
 
 def test_dtype_option_reaches_our_engine(

@@ -121,9 +121,11 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_tiny_gguf(path: Path, hf_folder: Path, tensor_type: QType) -> Path:
+def write_tiny_gguf(path: Path, hf_folder: Path, tensor_type: QType,
+                    types: dict[str, QType] | None = None) -> Path:
     """Convert a (tiny) HF folder to GGUF the way convert_hf_to_gguf does, 2-D tensors as
-    `tensor_type` (1-D ones stay F32, as in llama.cpp). Qwen2 keeps arch qwen2, others llama."""
+    `tensor_type` (1-D ones stay F32, as in llama.cpp) or as `types` says by GGUF name (files
+    that mix types, as Q4_K_M does). Qwen2 keeps arch qwen2, others llama."""
     hf = json.loads((hf_folder / "config.json").read_text())
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(hf_folder.glob("*.safetensors")):
@@ -158,7 +160,8 @@ def write_tiny_gguf(path: Path, hf_folder: Path, tensor_type: QType) -> Path:
             w = llama_cpp_permute(w, heads)
         elif arch == "llama" and ".k_proj." in name:
             w = llama_cpp_permute(w, kv_heads)
-        _add(writer, gguf_name(name), w, tensor_type if w.ndim == 2 else QType.F32)
+        qtype = (types or {}).get(gguf_name(name), tensor_type)
+        _add(writer, gguf_name(name), w, qtype if w.ndim == 2 else QType.F32)
     if rope.get("rope_type") == "llama3":
         _add(writer, "rope_freqs.weight", _llama3_rope_freqs(rope, head_dim, theta), QType.F32)
 

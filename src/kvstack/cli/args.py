@@ -42,8 +42,9 @@ def add_model_args(parser: argparse.ArgumentParser, cache_switches: bool = True)
                        help="the embedded model's name, a .gguf file or a Hugging Face folder")
     group.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                        help="weights and activations dtype")
-    group.add_argument("--quantization", default=None, choices=("int8",),
-                       help="weight-only quantization of the linear layers (per-channel int8)")
+    group.add_argument("--quantization", default=None, choices=("int8", "gguf"),
+                       help="weight-only quantization of the linear layers: int8 (per-channel) "
+                       "or gguf (a GGUF file's own quantized blocks, run as they are)")
     group.add_argument("--kernels", default="auto", choices=("auto", "torch"),
                        help="auto: C kernels for decode where the CPU allows; torch: PyTorch "
                        "ops only (the reference path)")

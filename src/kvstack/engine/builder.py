@@ -40,12 +40,12 @@ class EngineParts:
 def build_engine(config: EngineConfig) -> EngineParts:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    ckpt = load_checkpoint(config.model)
+    ckpt = load_checkpoint(config.model, config.quantization)
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(ckpt)
     model = family_of(ckpt.config.architecture).create(
         ckpt.config, torch_dtype(config.dtype), config.quantization, config.kernels == "auto"
     )
-    model.load_weights(ckpt.tensors)
+    model.load_weights(ckpt.tensors, ckpt.blocks)
     cache = config.cache
     kv_cache_dtype = resolve(cache.kv_cache_dtype, config.dtype)
     window = (SlidingWindow(cache.kv_window, cache.kv_sink_tokens, cache.block_size)

@@ -30,8 +30,10 @@ class LLM:
     processes. `close()` (or leaving a `with` block) waits for pending writes.
 
     `dtype` is the activations' and weights' dtype; `quantization="int8"` holds the linear
-    weights as int8 with per-channel scales (activations stay in `dtype`). `kernels="torch"`
-    turns off the C decode kernels (the reference path).
+    weights as int8 with per-channel scales (activations stay in `dtype`); `quantization="gguf"`
+    (GGUF files only) runs the file's own quantized blocks as they are, decode-sized products
+    with activations rounded to int8 per 32-value block (approximate; see README).
+    `kernels="torch"` turns off the C decode kernels (the reference path).
 
     `kv_cache_dtype` stores K/V as "auto" (the model dtype), "float32", "bfloat16", "float16",
     "int8", "fp8" (e4m3) or "int4" (KIVI-style), quantized on write and dequantized on read.

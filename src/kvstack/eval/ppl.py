@@ -1,7 +1,8 @@
 """`kvstack eval ppl`: what each weight format costs in quality.
 
 For each format (fp32 through PyTorch ops only, i.e. the reference path; fp32, bf16 and int8
-weights through the engine's fast path) it measures perplexity on a held-out text (Python's
+weights through the engine's fast path; gguf: a GGUF file's own quantized blocks, GGUF models
+only) it measures perplexity on a held-out text (Python's
 own documentation) and greedy agreement with the reference over a fixed chat prompt set, and
 prints one table (JSON with `--out`).
 """
@@ -9,6 +10,7 @@ prints one table (JSON with `--out`).
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,6 +30,7 @@ FORMATS: dict[str, dict[str, Any]] = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
+    "gguf": {"quantization": "gguf"},
 }
 
 
@@ -44,7 +47,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="weight formats: perplexity and greedy agreement with the fp32 reference",
         description="Perplexity on held-out text (pydoc_data.topics) and greedy agreement with "
         "the fp32 reference path, for each weight format (float32-reference, float32, "
-        "bfloat16, int8).",
+        "bfloat16, int8, gguf: a GGUF file's own blocks).",
         epilog="example: kvstack eval ppl --tokens 2048 --formats float32-reference,int8",
     )
     add_eval_args(parser)
@@ -58,10 +61,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def evaluate(args: argparse.Namespace) -> list[FormatRow]:
     from kvstack.engine.llm import LLM
+    from kvstack.weights import is_gguf_model
 
     scorer = AgainstReference(args.tokens, args.window, args.agreement_tokens)
     rows = []
+    gguf = is_gguf_model(args.model)
     for name in args.formats:
+        if name == "gguf" and not gguf:
+            print(f"gguf: skipped, {args.model} is not a GGUF file", file=sys.stderr)
+            continue
         with LLM(model=args.model, kv_cache_memory="512MiB", num_threads=args.threads,
                  **FORMATS[name]) as llm:
             rows.append(FormatRow(name, llm.info.num_weight_bytes, scorer.score(llm)))

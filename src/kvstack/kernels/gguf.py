@@ -128,6 +128,11 @@ class GGUFLinear:
                           bias, use_kernels=self._lib is not None)
 
     @property
+    def shape(self) -> torch.Size:
+        """(out, in), as a weight tensor's shape (for the loader's shape checks)."""
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
     def num_bytes(self) -> int:
         """Bytes held: the blocks (and the bias; not a kernels-off dequantized copy)."""
         extra = self.bias32.numel() * 4 if self.bias32 is not None else 0
@@ -172,6 +177,8 @@ class GGUFLinear:
     def _dequantize_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         """fp32 [len(ids) or out, in]: the C dequantizer, or the gguf package's."""
         count = self.out_features if ids is None else ids.numel()
+        if count == 0:  # gguf's numpy dequantizer cannot reshape zero blocks
+            return torch.empty(0, self.in_features, dtype=torch.float32)
         if self._lib is None:
             raw = self.blocks if ids is None else self.blocks[ids]
             values = gguf.quants.dequantize(raw.numpy(), self.qtype)
@@ -183,6 +190,27 @@ class GGUFLinear:
                                        torch.get_num_threads())
         _check(rc)
         return out
+
+
+class ConcatLinear:
+    """Several linear layers over the same input whose outputs are concatenated: a fused QKV
+    or gate/up projection whose parts cannot share one `GGUFLinear` (GGUF files often store
+    q/k/v or gate/up in different types, or a part falls back to a dequantized weight)."""
+
+    kernel = None  # never part of the one-call decode step
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.max_kernel_rows = min(p.max_kernel_rows for p in parts)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.num_bytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 def _as_uint8_rows(blocks: torch.Tensor | np.ndarray, rows: int, row_bytes: int) -> torch.Tensor:

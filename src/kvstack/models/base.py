@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from kvstack.config import ModelConfig
+from kvstack.kernels.gguf import GGUFLinear
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.layers.attention import AttentionMetadata
 
@@ -28,8 +29,10 @@ class CausalLM(Protocol):
     dtype: torch.dtype
     use_kernels: bool  # the C decode kernels may run (False: the PyTorch reference path)
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Take Hugging Face-named tensors in [out, in] layout."""
+    def load_weights(self, tensors: Mapping[str, torch.Tensor],
+                     blocks: Mapping[str, GGUFLinear] | None = None) -> None:
+        """Take Hugging Face-named tensors in [out, in] layout, and weights a GGUF file keeps
+        as quantized blocks (quantization="gguf")."""
         ...
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -1,7 +1,8 @@
 """Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (QKV bias).
 
 Weights are fused where it saves ops (QKV, gate/up) and kept in the reference's [out, in]
-layout, each in a `Linear` in the model dtype (float32, bfloat16) or int8 weight-only:
+layout, each in a `Linear` in the model dtype (float32, bfloat16) or int8 weight-only, or a
+`GGUFLinear` holding a GGUF file's quantized blocks (`models/linears.py` builds them):
 decode-sized products go to the C kernels, which stream each weight once per step, prefill-sized
 ones to PyTorch's matmul. `use_kernels=False` is the reference path: PyTorch ops only.
 """
@@ -19,11 +20,13 @@ from kvstack.config import ModelConfig
 from kvstack.errors import ModelLoadError, UnsupportedModelError
 from kvstack.kernels import ops as kernel_ops
 from kvstack.kernels.decode_step import DecodeStep
+from kvstack.kernels.gguf import GGUFLinear
 from kvstack.kernels.linear import Linear
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.layers.attention import AttentionMetadata, paged_attention
 from kvstack.layers.rope import RotaryEmbedding
 from kvstack.models.base import ModelFamily
+from kvstack.models.linears import AnyLinear, LinearBuilder
 from kvstack.models.registry import register
 
 
@@ -38,10 +41,10 @@ class _Layer:
     def __init__(self) -> None:
         self.input_norm: torch.Tensor
         self.post_norm: torch.Tensor
-        self.qkv: Linear  # [(H + 2 H_kv) D, hidden], with Qwen2's bias
-        self.o: Linear  # [hidden, H D]
-        self.gate_up: Linear  # [2 I, hidden]
-        self.down: Linear  # [hidden, I]
+        self.qkv: AnyLinear  # [(H + 2 H_kv) D, hidden], with Qwen2's bias
+        self.o: AnyLinear  # [hidden, H D]
+        self.gate_up: AnyLinear  # [2 I, hidden]
+        self.down: AnyLinear  # [hidden, I]
 
 
 class LlamaForCausalLM:
@@ -51,7 +54,8 @@ class LlamaForCausalLM:
                  use_kernels: bool = True) -> None:
         self.config = config
         self.dtype = dtype
-        self.quantization = quantization  # "int8": linear weights (and the LM head) as int8
+        # "int8": linear weights (and the LM head) as int8; "gguf": as the file's blocks
+        self.quantization = quantization
         self.use_kernels = use_kernels
         self._step: DecodeStep | None = None
         self._step_for: KVCacheStorage | None = None  # the storage `_step` points into
@@ -59,43 +63,31 @@ class LlamaForCausalLM:
             config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling
         )
         self.layers = [_Layer() for _ in range(config.num_layers)]
-        self.embed: torch.Tensor | None  # [vocab, hidden]; None: rows come from the LM head
+        # [vocab, hidden]; None: rows come from the int8 LM head; GGUF: rows dequantized
+        self.embed: torch.Tensor | GGUFLinear | None
         self.final_norm: torch.Tensor
-        self.lm_head: Linear  # [vocab, hidden]
+        self.lm_head: AnyLinear  # [vocab, hidden]
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Take HF-named tensors ([out, in] layout) and fuse them."""
+    def load_weights(self, tensors: Mapping[str, torch.Tensor],
+                     blocks: Mapping[str, GGUFLinear] | None = None) -> None:
+        """Take HF-named tensors ([out, in] layout) and GGUF blocks, and fuse them."""
         c = self.config
-
-        def get(name: str) -> torch.Tensor:
-            if name not in tensors:
-                raise ModelLoadError(f"checkpoint lacks tensor {name!r}; the file is incomplete")
-            return tensors[name].to(self.dtype)
-
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear(weight, bias, self.dtype, self.quantization, self.use_kernels)
-
-        embed = get("model.embed_tokens.weight").contiguous()
+        build = LinearBuilder(tensors, blocks or {}, self.dtype, self.quantization,
+                              self.use_kernels)
+        get = build.tensor
         self.final_norm = get("model.norm.weight")
-        head = embed if c.tie_word_embeddings else get("lm_head.weight")
-        self.lm_head = linear(head)
-        # A tied int8 head doubles as the embedding table (rows dequantized on lookup).
-        tied_int8 = c.tie_word_embeddings and self.lm_head.scale is not None
-        self.embed = None if tied_int8 else embed
+        self.embed, self.lm_head = build.embedding_and_head(c.tie_word_embeddings)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             layer.input_norm = get(p + "input_layernorm.weight")
             layer.post_norm = get(p + "post_attention_layernorm.weight")
-            qkv = torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"], dim=0)
-            bias = (torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"])
-                    if c.attention_bias else None)
-            layer.qkv = linear(qkv, bias)
-            layer.o = linear(get(a + "o_proj.weight"))
-            layer.gate_up = linear(
-                torch.cat([get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")], dim=0)
-            )
-            layer.down = linear(get(p + "mlp.down_proj.weight"))
+            layer.qkv = build.fused([a + f"{n}_proj.weight" for n in "qkv"],
+                                    [a + f"{n}_proj.bias" for n in "qkv"]
+                                    if c.attention_bias else None)
+            layer.o = build.fused([a + "o_proj.weight"])
+            layer.gate_up = build.fused([p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
+            layer.down = build.fused([p + "mlp.down_proj.weight"])
 
     @property
     def num_weight_bytes(self) -> int:
@@ -104,17 +96,23 @@ class LlamaForCausalLM:
             lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
         ]
         total = sum(lin.num_bytes for lin in linears) + _nbytes(self.final_norm)
-        if self.embed is not None and self.embed is not self.lm_head.weight:
-            total += _nbytes(self.embed)
+        embed = self.embed
+        if isinstance(embed, GGUFLinear) and embed is not self.lm_head:
+            total += embed.num_bytes
+        elif isinstance(embed, torch.Tensor) and embed is not getattr(self.lm_head, "weight",
+                                                                       None):
+            total += _nbytes(embed)
         for layer in self.layers:
             total += _nbytes(layer.input_norm) + _nbytes(layer.post_norm)
         return total
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, GGUFLinear):
+            return self.embed.rows(input_ids, self.dtype)
         if self.embed is not None:
             return self.embed[input_ids]
         head = self.lm_head
-        assert head.scale is not None
+        assert isinstance(head, Linear) and head.scale is not None
         return (head.weight[input_ids].float() * head.scale[input_ids, None]).to(self.dtype)
 
     @torch.inference_mode()
@@ -165,7 +163,7 @@ class LlamaForCausalLM:
 
     def _decode_step(self, kv_storage: KVCacheStorage | None) -> DecodeStep | None:
         """The one-call decode step over this storage, built on first use; None where the
-        cache is lossy or a weight has no kernel."""
+        cache is lossy or a weight has no kernel of its (GGUF blocks have none there)."""
         if kv_storage is None:
             return None
         if self._step_for is not kv_storage:
@@ -173,7 +171,7 @@ class LlamaForCausalLM:
             linears = [lin for layer in self.layers
                        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             usable = all(t is not None and t[0].dtype == self.dtype for t in caches) and all(
-                lin.kernel is not None for lin in linears)
+                isinstance(lin, Linear) and lin.kernel is not None for lin in linears)
             c = self.config
             self._step = DecodeStep(
                 self.layers, caches, self.dtype, c.hidden_size, c.num_heads, c.num_kv_heads,

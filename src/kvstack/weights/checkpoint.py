@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import torch
 
 from kvstack.config import ModelConfig
 from kvstack.errors import ModelLoadError, UnsupportedModelError
+from kvstack.kernels.gguf import GGUFLinear
 from kvstack.models import family_of
 
 
@@ -23,6 +24,10 @@ class Checkpoint:
     only when the embeddings are untied. GGUF tensors are dequantized to float32 with llama.cpp's
     Q/K row permutation undone; safetensors keep the file's dtype. `fingerprint` is a sha256 over
     the weight and tokenizer files, so equal fingerprints mean the same weights and tokenizer.
+
+    `blocks` (GGUF with `quantization="gguf"` only) holds linear weights, the LM head and the
+    embedding table as the file's quantized blocks, rows already in HF order; a name is in
+    `tensors` or in `blocks`, never both.
     """
 
     config: ModelConfig
@@ -32,6 +37,7 @@ class Checkpoint:
     tokenizer_gguf_file: str | None
     fingerprint: str
     source: str
+    blocks: Mapping[str, GGUFLinear] = field(default_factory=dict)
 
 
 def model_config_from_hf(hf_config: dict[str, Any], source: Path) -> ModelConfig:
@@ -44,7 +50,8 @@ def model_config_from_hf(hf_config: dict[str, Any], source: Path) -> ModelConfig
     return family.config_from_hf(hf_config, source)
 
 
-def check_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> None:
+def check_tensors(tensors: Mapping[str, torch.Tensor | GGUFLinear], config: ModelConfig,
+                  source: Path) -> None:
     """Every expected tensor present with its shape, and nothing the model would ignore."""
     expected = family_of(config.architecture).expected_shapes(config)
     missing = [name for name in expected if name not in tensors]

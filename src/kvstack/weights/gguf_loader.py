@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp) -> float32 tensors in Hugging Face names and a config.json-style dict."""
+"""GGUF files (llama.cpp) -> float32 tensors in Hugging Face names and a config.json-style dict;
+with `keep_blocks`, the linear weights stay as the file's quantized blocks (`gguf_blocks`)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from kvstack.config import ModelConfig
 from kvstack.errors import ModelLoadError, UnsupportedModelError, one_line
+from kvstack.kernels.gguf import GGUFLinear
 from kvstack.weights.checkpoint import (
     Checkpoint,
     check_tensors,
     fingerprint_files,
     model_config_from_hf,
 )
+from kvstack.weights.gguf_blocks import as_blocks, is_linear_weight, notice_fallbacks, unpermute_qk
 
 
 class _Arch(NamedTuple):
@@ -66,8 +68,10 @@ _ROPE_FREQS = "rope_freqs.weight"
 _LLAMA3_ORIGINAL_CONTEXT = 8192
 
 
-def load_gguf(path: Path) -> Checkpoint:
-    """Dequantize every tensor of a llama/qwen2 GGUF to float32 and map it to HF names."""
+def load_gguf(path: Path, keep_blocks: bool = False) -> Checkpoint:
+    """Dequantize every tensor of a llama/qwen2 GGUF to float32 and map it to HF names; with
+    `keep_blocks`, linear weights of a type a GGUF kernel runs stay as blocks instead
+    (`Checkpoint.blocks`), the others are dequantized with a one-line notice."""
     reader = _open(path)
     arch_name = _value(reader, "general.architecture")
     if arch_name is None:
@@ -89,13 +93,23 @@ def load_gguf(path: Path) -> Checkpoint:
     config = model_config_from_hf(hf_config, path)
 
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, GGUFLinear] = {}
+    fallbacks = []
     for name, info in infos.items():
         if name == _ROPE_FREQS:  # folded into hf_config["rope_scaling"]
             continue
-        tensors[_hf_name(name, path)] = _dequantize(info, path)
-    check_tensors(tensors, config, path)
+        hf_name = _hf_name(name, path)
+        if keep_blocks and is_linear_weight(hf_name):
+            lin = as_blocks(info)
+            if lin is not None:
+                blocks[hf_name] = lin
+                continue
+            fallbacks.append((name, info.tensor_type.name))
+        tensors[hf_name] = _dequantize(info, path)
+    notice_fallbacks(fallbacks, path)
+    check_tensors({**tensors, **blocks}, config, path)
     if arch.permuted_qk:
-        _unpermute_qk(tensors, config)
+        unpermute_qk(tensors, blocks, config)
 
     has_tokenizer = reader.get_field("tokenizer.ggml.model") is not None
     return Checkpoint(
@@ -106,6 +120,7 @@ def load_gguf(path: Path) -> Checkpoint:
         tokenizer_gguf_file=path.name if has_tokenizer else None,
         fingerprint=fingerprint_files([path]),
         source="gguf",
+        blocks=blocks,
     )
 
 
@@ -285,24 +300,3 @@ def _dequantize(info: gguf.ReaderTensor, path: Path) -> torch.Tensor:
     # ggml lists dimensions innermost first; numpy/torch outermost first.
     shape = tuple(int(d) for d in reversed(info.shape.tolist()))
     return torch.from_numpy(values.reshape(shape))
-
-
-def _unpermute_qk(tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
-    for i in range(config.num_layers):
-        for proj, num_heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
-            for suffix in ("weight", "bias"):
-                name = f"model.layers.{i}.self_attn.{proj}.{suffix}"
-                if name in tensors:
-                    tensors[name] = _unpermute(tensors[name], num_heads)
-
-
-def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    # Per head, convert_hf_to_gguf maps HF row (half, i) to row (i, half) so that llama.cpp's
-    # rope rotates adjacent pairs: rows [H, 2, D/2] -> [H, D/2, 2]. Swap back.
-    rest = w.shape[1:]
-    return (
-        w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *rest)
-        .transpose(1, 2)
-        .reshape(w.shape)
-        .contiguous()
-    )

@@ -26,6 +26,15 @@ def resolve_model(model: str) -> Path:
     return path
 
 
+def is_gguf_model(model: str) -> bool:
+    """Whether `model` names a GGUF file (what quantization="gguf" needs); False if not found."""
+    try:
+        path = resolve_model(model)
+    except ModelNotFoundError:
+        return False
+    return path.is_file() and path.suffix == ".gguf"
+
+
 def _embedded_gguf() -> Path:
     # find_spec locates the package without importing it: its __init__ imports llm plugins
     # that are deliberately not installed.

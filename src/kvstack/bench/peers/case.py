@@ -1,5 +1,6 @@
 """`bench peers`: the same three workloads on our engine in every weight format it offers, on
 transformers (the same weights in float32) and on llama.cpp (the model's GGUF file), in one run.
+Our `gguf` format runs the GGUF file's own quantized blocks: the same bytes llama.cpp runs.
 
 - decode: the 46-token chat prompt, 128 new tokens, greedy, one stream: decode tok/s (the
   steps after the first token).
@@ -42,12 +43,14 @@ from kvstack.bench.peers.workloads import (
 )
 from kvstack.bench.prefix import document
 from kvstack.units import common_prefix_len
+from kvstack.weights import is_gguf_model
 
 # Our engine's weight formats: name -> LLM keyword arguments.
 FORMATS: dict[str, dict[str, str]] = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
+    "gguf": {"quantization": "gguf"},
 }
 # Each engine first runs a short request: lazy set-up (kernel builds, thread pools, first
 # allocations) is not billed to the measured runs.
@@ -62,6 +65,8 @@ def engine_formats(options: BenchOptions) -> dict[str, dict[str, str] | str]:
     formats: dict[str, dict[str, str] | str] = dict(FORMATS)
     if not supports_quantization():
         formats["int8"] = "this kvstack's LLM has no `quantization` option yet"
+    if not is_gguf_model(options.model):
+        formats["gguf"] = f"{options.model} is not a GGUF file"
     return formats
 
 
@@ -156,7 +161,8 @@ def _config(options: BenchOptions, work: Workloads,
                   "new_tokens": s.batch_new_tokens, "llamacpp": "not run (single stream)"},
         "kvstack_formats": dict(formats),
         "transformers_dtype": "float32",
-        "llamacpp_weights": "the model's GGUF file as is (different weights and arithmetic)",
+        "llamacpp_weights": "the model's GGUF file as is (the same bytes as kvstack_gguf; other "
+                            "formats: different weights and arithmetic)",
         "bandwidth_probe": f"torch.sum over {s.bandwidth_probe_bytes >> 20} MiB, best of "
                            f"{BANDWIDTH_REPEATS}, before and after the engines",
     }
