@@ -69,8 +69,9 @@ def test_embedded_gguf_holds_the_files_blocks() -> None:
     for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
         assert isinstance(lin, GGUFLinear) and lin.qtype == QType.Q4_1
     assert layer.qkv.out_features == (9 + 2 * 3) * 64  # q, k, v fused
-    # The one-call decode step has no GGUF kind: decodes run layer by layer.
-    assert model._decode_step(llm.engine.kv_storage) is None
+    # Fused GGUF layers run inside the one-call decode step (tests/kernels checks it against
+    # the per-op path bit for bit).
+    assert model._decode_step(llm.engine.kv_storage) is not None
     assert llm.info.num_weight_bytes < 100 * 2**20  # fp32: 513 MiB
     assert llm.info.quantization == "gguf"
     assert llm.info.fingerprint != LLM(kv_cache_memory="16MiB").info.fingerprint
@@ -178,7 +179,9 @@ def test_mixed_types_and_fallback_notice(tmp_path: Path, caplog: pytest.LogCaptu
         llm = check_against_reference(path)
     notices = [r.getMessage() for r in caplog.records if r.name == "kvstack.weights"]
     assert len(notices) == 1 and "2 Q5_K" in notices[0] and "\n" not in notices[0]
-    layer = llm.engine.model.layers[0]
+    model = llm.engine.model
+    assert model._decode_step(llm.engine.kv_storage) is None  # unfused parts: layer by layer
+    layer = model.layers[0]
     assert isinstance(layer.qkv, ConcatLinear)
     assert [type(p) for p in layer.qkv.parts] == [GGUFLinear] * 3
     assert isinstance(layer.gate_up, ConcatLinear)

@@ -3,9 +3,10 @@
 At one token per sequence per step the per-layer Python (ten kernel calls, views and small
 allocations per layer) costs milliseconds per token next to ~10-20 ms of weight streaming; this
 hands the C side a table of every layer's weights and cache tensors, built once per KV storage,
-and runs all layers for steps where every row is a decode over a plain (fp32/bf16) cache. The
-kernels, their order and their roundings are those of the per-op path, so both give the same
-numbers.
+and runs all layers for steps where every row is a decode over a plain (fp32/bf16) cache.
+Weights are dense (`Linear`: fp32, bf16, int8) or a GGUF file's blocks (`GGUFLinear`, run by
+`gguf_gemv`). The kernels, their order and their roundings are those of the per-op path, so both
+give the same numbers.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import Protocol
 import torch
 
 from kvstack.kernels import build
+from kvstack.kernels.gguf import GGUFLinear
 from kvstack.kernels.linear import Linear
 
 _KINDS = {"gemv_f32": 0, "gemv_bf16": 1, "gemv_i8": 2, "gemv_q8": 3, "gemv_bf16dp": 4}
+_GGUF_KIND = 100  # + the ggml type: GGUF blocks through gguf_gemv (ops.c's GGUF_KIND)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -44,14 +47,24 @@ class _Dims(ctypes.Structure):
 class LayerWeights(Protocol):
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Linear
-    o: Linear
-    gate_up: Linear
-    down: Linear
+    qkv: Linear | GGUFLinear
+    o: Linear | GGUFLinear
+    gate_up: Linear | GGUFLinear
+    down: Linear | GGUFLinear
 
 
-def _lin(lin: Linear) -> _Lin:
+def runs_in_decode_step(lin: object) -> bool:
+    """Whether the one-call step has a kernel for this layer (dense or GGUF blocks with the
+    C kernels on; not a `ConcatLinear` of parts)."""
+    return isinstance(lin, (Linear, GGUFLinear)) and lin.kernel is not None
+
+
+def _lin(lin: Linear | GGUFLinear) -> _Lin:
     assert lin.kernel is not None
+    if isinstance(lin, GGUFLinear):
+        return _Lin(lin.blocks.data_ptr(), None,
+                    lin.bias32.data_ptr() if lin.bias32 is not None else None,
+                    lin.out_features, lin.in_features, _GGUF_KIND + int(lin.qtype))
     return _Lin(lin.weight.data_ptr(),
                 lin.scale.data_ptr() if lin.scale is not None else None,
                 lin.bias32.data_ptr() if lin.bias32 is not None else None,

@@ -170,13 +170,19 @@ void gemv_q8(const float *, int64_t, int64_t, const int8_t *, int64_t, const flo
              const float *, float *, int);
 void gemv_bf16dp(const float *, int64_t, int64_t, const uint16_t *, int64_t, const float *,
                  const float *, float *, int);
+int gguf_gemv(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n,
+              const float *bias, float *y, int threads);
+
+/* Lin.kind at or above this: GGUF blocks (gguf.c) of ggml type kind - GGUF_KIND. */
+#define GGUF_KIND 100
 
 typedef struct {
     const void *w;
     const float *scale; /* int8 weights: per output row; else NULL */
     const float *bias;  /* fp32 or NULL */
     int64_t n, k;
-    int64_t kind; /* 0 gemv_f32, 1 gemv_bf16, 2 gemv_i8, 3 gemv_q8, 4 gemv_bf16dp */
+    int64_t kind; /* 0 gemv_f32, 1 gemv_bf16, 2 gemv_i8, 3 gemv_q8, 4 gemv_bf16dp;
+                     GGUF_KIND + ggml type: GGUF blocks */
 } Lin;
 
 typedef struct {
@@ -207,11 +213,18 @@ static gemv_fn pick(int64_t kind) {
     static void from_f32_##SUF(const float *src, int64_t n, T *dst) {                        \
         for (int64_t i = 0; i < n; i++) put_##SUF(dst, i, src[i]);                           \
     }                                                                                        \
-    static void linear_##SUF(const Lin *l, const T *x, int64_t rows, float *x32, float *y32, \
-                             T *y, int threads) {                                            \
+    static int linear_##SUF(const Lin *l, const T *x, int64_t rows, float *x32, float *y32,  \
+                            T *y, int threads) {                                             \
         to_f32_##SUF(x, rows * l->k, x32);                                                   \
-        pick(l->kind)(x32, rows, l->k, l->w, l->n, l->scale, l->bias, y32, threads);         \
+        if (l->kind >= GGUF_KIND) {                                                          \
+            if (gguf_gemv((int)(l->kind - GGUF_KIND), x32, rows, l->k, l->w, l->n, l->bias,  \
+                          y32, threads))                                                     \
+                return 0;                                                                    \
+        } else {                                                                             \
+            pick(l->kind)(x32, rows, l->k, l->w, l->n, l->scale, l->bias, y32, threads);     \
+        }                                                                                    \
         from_f32_##SUF(y32, rows * l->n, y);                                                 \
+        return 1;                                                                            \
     }                                                                                        \
     int decode_step_##SUF(const Dims *d, const Layer *layers, T *h, int64_t rows,            \
                           const float *cos, const float *sin, const int64_t *slot_mapping,   \
@@ -230,7 +243,8 @@ static gemv_fn pick(int64_t kind) {
         for (int64_t i = 0; ok && i < d->num_layers; i++) {                                  \
             const Layer *L = layers + i;                                                     \
             rms_norm_##SUF(h, i ? pending : NULL, rows, d->hidden, L->input_norm, d->eps, x); \
-            linear_##SUF(&L->qkv, x, rows, x32, y32, qkv, threads);                          \
+            ok = linear_##SUF(&L->qkv, x, rows, x32, y32, qkv, threads);                     \
+            if (!ok) break;                                                                  \
             rope_##SUF(qkv, rows, qkv_n, d->heads + d->kv_heads, d->head_dim, cos, sin);     \
             store_kv_##SUF(qkv + qd, qkv + qd + kvd, rows, qkv_n, slot_mapping, L->k_cache,  \
                            L->v_cache, kvd);                                                 \
@@ -239,11 +253,12 @@ static gemv_fn pick(int64_t kind) {
             decode_attention_##SUF(q, L->k_cache, L->v_cache, slots, lens, rows, max_ctx,    \
                                    d->heads, d->kv_heads, d->head_dim, d->scale, attn,       \
                                    threads);                                                 \
-            linear_##SUF(&L->o, attn, rows, x32, y32, y, threads);                           \
+            ok = linear_##SUF(&L->o, attn, rows, x32, y32, y, threads);                      \
+            if (!ok) break;                                                                  \
             rms_norm_##SUF(h, y, rows, d->hidden, L->post_norm, d->eps, x);                  \
-            linear_##SUF(&L->gate_up, x, rows, x32, y32, gu, threads);                       \
+            ok = ok && linear_##SUF(&L->gate_up, x, rows, x32, y32, gu, threads);            \
             silu_mul_##SUF(gu, rows, d->inter, act);                                         \
-            linear_##SUF(&L->down, act, rows, x32, y32, pending, threads);                   \
+            ok = ok && linear_##SUF(&L->down, act, rows, x32, y32, pending, threads);        \
         }                                                                                    \
         free(x32); free(y32); free(x); free(qkv); free(q); free(attn); free(gu); free(act);   \
         free(y);                                                                             \

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kvstack.config import ModelConfig
 from kvstack.errors import ModelLoadError, UnsupportedModelError
 from kvstack.kernels import ops as kernel_ops
-from kvstack.kernels.decode_step import DecodeStep
+from kvstack.kernels.decode_step import DecodeStep, runs_in_decode_step
 from kvstack.kernels.gguf import GGUFLinear
 from kvstack.kernels.linear import Linear
 from kvstack.kv.storage.base import KVCacheStorage
@@ -163,7 +163,7 @@ class LlamaForCausalLM:
 
     def _decode_step(self, kv_storage: KVCacheStorage | None) -> DecodeStep | None:
         """The one-call decode step over this storage, built on first use; None where the
-        cache is lossy or a weight has no kernel of its (GGUF blocks have none there)."""
+        cache is lossy or a weight has no kernel there (kernels off, or unfused GGUF parts)."""
         if kv_storage is None:
             return None
         if self._step_for is not kv_storage:
@@ -171,7 +171,7 @@ class LlamaForCausalLM:
             linears = [lin for layer in self.layers
                        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             usable = all(t is not None and t[0].dtype == self.dtype for t in caches) and all(
-                isinstance(lin, Linear) and lin.kernel is not None for lin in linears)
+                runs_in_decode_step(lin) for lin in linears)
             c = self.config
             self._step = DecodeStep(
                 self.layers, caches, self.dtype, c.hidden_size, c.num_heads, c.num_kv_heads,
