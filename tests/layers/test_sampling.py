@@ -65,7 +65,7 @@ def test_greedy_and_penalty_flags() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2), ("n", 0), ("n", True),
+        ("n", 0), ("n", True), ("best_of", 0), ("best_of", 1.5),
         ("temperature", -0.1), ("temperature", "hot"), ("temperature", float("nan")),
         ("temperature", None), ("temperature", True),
         ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1), ("top_p", "1"),
@@ -80,7 +80,7 @@ def test_greedy_and_penalty_flags() -> None:
         ("stop", ""), ("stop", ["ok", ""]), ("stop", 5), ("stop", ["a", 3]),
         ("stop_token_ids", [1, -1]), ("stop_token_ids", "12"), ("stop_token_ids", [True]),
         ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
-        ("logprobs", 5), ("logprobs", -1), ("logprobs", 1.0),
+        ("logprobs", 21), ("logprobs", -1), ("logprobs", 1.0), ("prompt_logprobs", 2),
     ],
 )
 def test_invalid_params_raise_one_line_error_naming_the_field(field: str, value: Any) -> None:

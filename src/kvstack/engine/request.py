@@ -46,6 +46,14 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # draft tokens fed to the model so far
     num_accepted_tokens: int = 0  # of those, the ones the model agreed with
+    # Per output token, its `logprobs=k` most likely alternatives (k > 0 only).
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Parallel samples (`engine/parallel.py`): the caller's request id and this sample's index
+    # (None: a request of its own), and on the sample that computes the shared prompt, its
+    # siblings still to fork from it once the prompt is computed.
+    parent_request_id: str | None = None
+    sample_index: int = 0
+    pending_forks: list[Request] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     sampling_state: SamplingState = field(init=False)
 
