@@ -232,9 +232,10 @@ class Sampler:
 
         Returns the chosen token id of each row and, when any state asks for logprobs, the
         log-probability of each row's chosen token under the raw model distribution
-        (log_softmax of the unmodified logits, before any guide's mask); otherwise None. Greedy
-        rows take the argmax of the masked, penalized logits, lowest id on ties. A seeded row's tokens depend only on its
-        generator, never on the other rows of the batch. `logits` is not modified.
+        (log_softmax of the unmodified logits, before any guide's mask); otherwise None.
+        Greedy rows take the argmax of the masked, penalized logits, lowest id on ties. A
+        seeded row's tokens depend only on its generator, never on the other rows of the
+        batch. `logits` is not modified.
         """
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(
