@@ -23,6 +23,10 @@ CASES = {
              "memory bandwidth",
     "memory": "KV bytes and tokens per budget for each KV cache dtype, int8 vs float32 decode, "
               "window mode",
+    "parallel": "n=8 samples sharing a 1,000-token prompt's KV vs 8 separate requests: peak "
+                "KV bytes and wall time",
+    "structured": "decode time per token under a JSON-schema constraint vs unconstrained, "
+                  "batch 1 and 16",
 }
 
 
