@@ -43,6 +43,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="answer 413 to larger request bodies")
     group.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
                        help="most requests computed together")
+    group.add_argument("--max-parallel-samples", type=positive_int, default=16, metavar="N",
+                       help="largest n (best_of) a request may ask for; its samples share the "
+                       "prompt's KV blocks (a larger n gets a 400)")
     group.add_argument("--max-pinned-fraction", type=float, default=0.5, metavar="F",
                        help="share of the KV pool cache_control pins may hold")
     group.add_argument("--cache-ttl-scale", type=positive_float, default=1.0, metavar="X",
@@ -124,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it drained on; a SIGTERM handled to the end is a clean exit.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     llm = load_llm(args, max_num_seqs=args.max_num_seqs,
-                   max_pinned_fraction=args.max_pinned_fraction)
+                   max_pinned_fraction=args.max_pinned_fraction,
+                   max_parallel_samples=args.max_parallel_samples)
     app = create_app(llm, keys, config)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
