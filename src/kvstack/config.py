@@ -164,7 +164,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # Weight-only quantization of the linear layers: None (weights in `dtype`) or "int8".
     quantization: str | None = None
-    # "auto": C kernels for decode-sized products where the CPU has AVX-512 and a compiler;
+    # "auto": C kernels for decode-sized products where the CPU has AVX-512 or AVX2 and a compiler;
     # "torch": PyTorch ops only (the reference path).
     kernels: str = "auto"
 

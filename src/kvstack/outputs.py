@@ -61,6 +61,31 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
 
 
+# Where a prompt token's K/V came from (`Provenance.prompt`), in prompt order:
+PREFIX_CACHE = "prefix_cache"  # read from the memory prefix cache
+TIER = "tier"  # restored from a tier below the memory pool (disk, Redis)
+COMPUTED = "computed"  # computed by this request's prefill
+# and where an output token came from (`Provenance.output`):
+DRAFT = "draft"  # a draft token the model verified and accepted (several in one step)
+MODEL = "model"  # sampled by the model (one per step, also after a verify step)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """A request's tokens by source, as runs (source, count) in token order. The prompt's
+    runs are fixed at the request's first admission (a preempted request recomputes blocks
+    it had but keeps its provenance); blended chunks, when they exist, get a source too."""
+
+    prompt: tuple[tuple[str, int], ...] = ()
+    output: tuple[tuple[str, int], ...] = ()
+
+    def num_prompt(self, source: str) -> int:
+        return sum(n for s, n in self.prompt if s == source)
+
+    def num_output(self, source: str) -> int:
+        return sum(n for s, n in self.output if s == source)
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -75,3 +100,4 @@ class RequestOutput:
     # Draft tokens verified for this request (fed to the model) and how many were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    provenance: Provenance = field(default_factory=Provenance)

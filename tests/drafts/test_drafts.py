@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvstack import LLM, SamplingParams
 from kvstack.drafts.prompt_lookup import lookup
-from kvstack.drafts.verify import remaining_draft, verify_greedy
+from kvstack.drafts.verify import FIRST_WINDOW, remaining_draft, verify_greedy
 from kvstack.errors import InvalidRequestError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -147,14 +147,33 @@ def _cached_engine(tiny: Path, kwargs: dict[str, Any]) -> LLM:
     return _ENGINES[key]
 
 
-def test_a_full_draft_is_one_step(tiny: Path, plain: LLM) -> None:
+def test_a_right_draft_takes_a_step_per_window(tiny: Path, plain: LLM) -> None:
     llm = engine(tiny)
     prompt = [5, 6, 7, 8, 9]
     truth = reference(plain, prompt)
     request = llm.engine.add_request(prompt, GREEDY, draft_token_ids=truth)
-    outputs = llm.engine.step()  # the prefill verifies every draft token at once
-    assert [o.outputs[0].token_ids for o in outputs] == [truth]
-    assert request.finished and request.num_accepted_tokens == MAX_TOKENS - 1
+    first = llm.engine.step()  # the prefill verifies the first window of the draft
+    assert first[0].outputs[0].token_ids == truth[:FIRST_WINDOW + 1]
+    assert request.draft_window == 2 * FIRST_WINDOW  # all accepted: the window doubles
+    second = llm.engine.step()  # the rest of the draft (it fits the doubled window)
+    assert second[0].outputs[0].token_ids == truth
+    # Each step adds the model's own token after the accepted ones: 2 steps, 12 tokens.
+    assert request.finished and request.num_accepted_tokens == MAX_TOKENS - 2
+    assert_idle(llm)
+
+
+def test_a_wrong_draft_costs_one_window(tiny: Path, plain: LLM) -> None:
+    llm = engine(tiny)
+    prompt = [5, 6, 7, 8, 10]
+    truth = reference(plain, prompt)
+    wrong = [(t + 1) % VOCAB for t in truth]
+    request = llm.engine.add_request(prompt, GREEDY, draft_token_ids=wrong)
+    llm.engine.step()
+    assert request.num_draft_tokens == FIRST_WINDOW and request.num_accepted_tokens == 0
+    assert request.draft_token_ids == []  # the rest of a rejected draft is dropped
+    while not request.finished:
+        llm.engine.step()
+    assert request.output_token_ids == truth and request.num_draft_tokens == FIRST_WINDOW
     assert_idle(llm)
 
 

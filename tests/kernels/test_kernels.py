@@ -19,7 +19,7 @@ from kvstack.models.llama import rms_norm
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
-    pytest.mark.skipif(build.load() is None, reason="C kernels need x86-64 AVX-512 and cc"),
+    pytest.mark.skipif(build.load() is None, reason="C kernels need x86-64 AVX-512 or AVX2 and cc"),
 ]
 
 SHAPES = [(1, 576, 960), (3, 577, 13), (16, 64, 8), (5, 1536, 576), (2, 15, 9), (7, 33, 4)]
@@ -55,8 +55,9 @@ def test_int8_linear_is_the_dequantized_product(rows: int, k: int, n: int) -> No
     expected = x.double() @ lin.dequantized().double().T
     torch_path = Linear(w, None, torch.float32, "int8", use_kernels=False)(x)
     assert (torch_path.double() - expected).abs().max() < 1e-4
-    if build.has_vnni():
-        # The VNNI kernel also rounds each 64-element block of x to int8 (scale amax / 127).
+    assert lin.kernel == ("gemv_q8" if build.has_vnni() or build.isa() == "avx2" else "gemv_i8")
+    if lin.kernel == "gemv_q8":
+        # The int8 x int8 kernel also rounds each 64-element block of x to int8 (amax / 127).
         expected = _block_quantized(x).double() @ lin.dequantized().double().T
     # (A value on a rounding boundary may land one step over: 1e-3 leaves room for a few.)
     assert (lin(x).double() - expected).abs().max() < 1e-3
@@ -147,6 +148,14 @@ def test_decode_attention_reads_slots_in_place(dtype: torch.dtype) -> None:
         torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
 
 
+def test_status_names_the_instruction_set_built() -> None:
+    flags = set(build._cpu_flags().split())
+    expected = "avx512" if {"avx512f", "avx512bw"} <= flags else "avx2"
+    assert build.isa() == expected
+    name = "AVX-512" if expected == "avx512" else "AVX2+FMA"
+    assert build.status() == f"C kernels: {name}, built"
+
+
 def test_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSTACK_KERNELS", "0")
     build.load.cache_clear()
@@ -154,6 +163,7 @@ def test_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
         assert build.load() is None
         assert not kops.available(torch.float32)
         assert Linear(torch.ones(4, 4), None, torch.float32)._gemv is None
+        assert build.isa() is None and build.status().startswith("C kernels off")
     finally:
         monkeypatch.delenv("KVSTACK_KERNELS")
         build.load.cache_clear()

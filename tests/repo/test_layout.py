@@ -30,6 +30,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in
     "models",
     "weights",
     "engine",
+    "ui",
     "eval server bench cluster",
     "cli",
     "__init__ __main__",

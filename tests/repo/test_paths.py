@@ -34,9 +34,11 @@ def tracked_files(root: Path) -> list[Path]:
         listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True,
                                 check=True).stdout
     except (OSError, subprocess.CalledProcessError):
-        skip = {".git", ".venv", "build", "bench-results", "__pycache__"}
-        return [p for p in root.rglob("*")
-                if p.is_file() and not skip & set(p.relative_to(root).parts)]
+        skip = {".git", ".venv", "build", "bench-results", "__pycache__", ".hypothesis",
+                ".pytest_cache", ".ruff_cache"}
+        return [p for p in root.rglob("*") if p.is_file()
+                and not skip & set(parts := p.relative_to(root).parts)
+                and not any(part.endswith(".egg-info") for part in parts)]
     return [root / name for name in listed.decode().split("\0") if name]
 
 

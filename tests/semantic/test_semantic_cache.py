@@ -237,8 +237,10 @@ def test_packaged_pairs_and_threshold_choice(embedder: MiniLMEmbedder) -> None:
     pairs = load_pairs()
     labels = {p.label for p in pairs}
     assert len(pairs) >= 200 and "paraphrase" in labels
-    assert labels >= {"number", "entity", "negation", "opposite", "intent", "order"}
-    assert len(load_pairs(packaged="pairs_holdout.jsonl")) >= 50
+    assert labels >= {"number", "entity", "negation", "opposite", "intent", "order", "swap"}
+    holdout = load_pairs(packaged="pairs_holdout.jsonl")
+    assert len(holdout) >= 50 and {p.label for p in holdout} >= labels
+    assert not {(p.a, p.b) for p in pairs} & {(p.a, p.b) for p in holdout}  # disjoint splits
     few = [Pair(a, b, "paraphrase") for a, b in PARAPHRASES] + \
         [Pair(a, b, reason) for a, b, reason in NEAR_MISSES]
     rows = sweep(score(embedder, few))

@@ -9,6 +9,7 @@ produce the first N new tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvstack.bench.common import (
@@ -17,15 +18,11 @@ from kvstack.bench.common import (
     CaseResult,
     Subject,
     TableRow,
-    fmt,
-    fmt_x,
-    new_figure,
-    per_second,
     progress,
-    ratio,
-    save_figure,
 )
+from kvstack.bench.format import fmt, fmt_x, per_second, ratio
 from kvstack.bench.peers.hf import PeerRun
+from kvstack.bench.plots import new_figure, save_figure
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 from kvstack.units import common_prefix_len
@@ -183,39 +180,43 @@ _MODES = (("kv_cache", "KV cache"), ("no_kv_cache", "no KV cache"))
 
 def _plot_latency(options: BenchOptions, prompt_len: int, ours: dict[str, Any],
                   peer: dict[str, Any]) -> str:
-    fig, ax = new_figure(
-        f"Per-token latency vs position ({prompt_len}-token prompt, {options.threads_text})",
-        "context length (tokens)", "time per token (ms)",
-    )
-    for (name, style), runs in zip(_SERIES, (ours, peer), strict=True):
-        for key, label in _MODES:
-            run = runs[key]
-            ax.plot(run["context_tokens"], run["inter_token_latencies_ms"], style,
-                    label=f"{name}, {label}", color="C0" if key == "kv_cache" else "C3",
-                    alpha=1.0 if name == "kvstack" else 0.6)
-    ax.set_ylim(bottom=0)
-    ax.legend()
-    return save_figure(fig, options, "cache_latency.png")
+    def series(run: dict[str, Any]) -> tuple[list[int], list[float]]:
+        return run["context_tokens"], run["inter_token_latencies_ms"]
+
+    return _plot_runs(options, ours, peer, series, "cache_latency.png",
+                      f"Per-token latency vs position ({prompt_len}-token prompt, "
+                      f"{options.threads_text})", "context length (tokens)",
+                      "time per token (ms)")
 
 
 def _plot_total(options: BenchOptions, prompt_len: int, ours: dict[str, Any],
                 peer: dict[str, Any]) -> str:
     """Seconds from the request to its N-th new token: TTFT, then the running sum of the
     per-token latencies."""
-    fig, ax = new_figure(
-        f"Total time for N new tokens ({prompt_len}-token prompt, {options.threads_text})",
-        "new tokens generated (N)", "time since the request (s)",
-    )
-    for (name, style), runs in zip(_SERIES, (ours, peer), strict=True):
+    def series(run: dict[str, Any]) -> tuple[list[int], list[float]]:
+        elapsed = [run["ttft_s"]]
+        for ms in run["inter_token_latencies_ms"]:
+            elapsed.append(elapsed[-1] + ms / 1000)
+        return list(range(1, len(elapsed) + 1)), elapsed
+
+    return _plot_runs(options, ours, peer, series, "cache_total_time.png",
+                      f"Total time for N new tokens ({prompt_len}-token prompt, "
+                      f"{options.threads_text})", "new tokens generated (N)",
+                      "time since the request (s)")
+
+
+def _plot_runs(options: BenchOptions, ours: dict[str, Any], peer: dict[str, Any],
+               series: Callable[[dict[str, Any]], tuple[list[int], list[float]]], name: str,
+               title: str, xlabel: str, ylabel: str) -> str:
+    """One line per engine (kvstack solid, transformers dashed) and mode (KV cache or not)."""
+    fig, ax = new_figure(title, xlabel, ylabel)
+    for (engine, style), runs in zip(_SERIES, (ours, peer), strict=True):
         for key, label in _MODES:
-            run = runs[key]
-            elapsed = [run["ttft_s"]]
-            for ms in run["inter_token_latencies_ms"]:
-                elapsed.append(elapsed[-1] + ms / 1000)
-            ax.plot(range(1, len(elapsed) + 1), elapsed, style, label=f"{name}, {label}",
+            xs, ys = series(runs[key])
+            ax.plot(xs, ys, style, label=f"{engine}, {label}",
                     color="C0" if key == "kv_cache" else "C3",
-                    alpha=1.0 if name == "kvstack" else 0.6)
+                    alpha=1.0 if engine == "kvstack" else 0.6)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.legend()
-    return save_figure(fig, options, "cache_total_time.png")
+    return save_figure(fig, options, name)

@@ -18,10 +18,9 @@ import inspect
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,6 @@ from kvstack.version import __version__
 from kvstack.weights import load_checkpoint
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
     from tqdm import tqdm
 
     from kvstack.bench.peers.hf import TransformersPeer
@@ -63,6 +61,12 @@ class BenchOptions:
     # Our engine's weight format (None: float32; `bench peers` then runs every format).
     dtype: str | None = None
     quantization: str | None = None
+    # cluster: the routing simulator instead of a real cluster, and its sizes
+    simulate: bool = False
+    requests: int | None = None  # None: the case's default
+    policies: tuple[str, ...] = ()  # cluster: which runs (empty: the case's default)
+    sim_replicas: tuple[int, ...] = ()
+    sim_tenants: tuple[int, ...] = ()
 
     @property
     def threads_text(self) -> str:
@@ -214,25 +218,14 @@ def distinct_prompts(
 # -- measuring -------------------------------------------------------------------------------
 
 
-def per_second(count: float, seconds: float | None) -> float | None:
-    return count / seconds if seconds else None
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
-def median(values: Sequence[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
 
 
-def fmt(value: float | None, digits: int = 1, unit: str = "") -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}{unit}"
 
 
-def fmt_x(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
 
 
 def progress(options: BenchOptions, total: int, desc: str) -> tqdm:
@@ -302,35 +295,10 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def new_figure(title: str, xlabel: str, ylabel: str) -> tuple[Figure, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    return fig, ax
 
 
-def log_scale_y(ax: Any) -> None:
-    """A log y axis labelled in plain numbers at 1-2-5 steps (no 4x10^0 minor labels)."""
-    from matplotlib.ticker import LogLocator, NullFormatter
-
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(lambda value, _: f"{value:g}")
-    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
-def save_figure(fig: Figure, options: BenchOptions, name: str) -> str:
-    options.out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(options.out / name, dpi=120)
-    return name
 
 
 def report(result: CaseResult, options: BenchOptions,

@@ -11,21 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstack.bench.common import (
-    BenchOptions,
-    CaseResult,
-    Subject,
-    TableRow,
-    fmt,
-    fmt_x,
-    log_scale_y,
-    median,
-    new_figure,
-    progress,
-    ratio,
-    save_figure,
-    topic_texts,
-)
+from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow, progress, topic_texts
+from kvstack.bench.format import fmt, fmt_x, median, ratio
+from kvstack.bench.plots import log_scale_y, new_figure, save_figure
 from kvstack.engine.llm import LLM
 from kvstack.sampling_params import SamplingParams
 from kvstack.units import format_ms

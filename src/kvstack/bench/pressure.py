@@ -18,14 +18,10 @@ from kvstack.bench.common import (
     Subject,
     TableRow,
     distinct_prompts,
-    fmt,
-    fmt_x,
-    new_figure,
-    per_second,
     progress,
-    ratio,
-    save_figure,
 )
+from kvstack.bench.format import fmt, fmt_x, per_second, ratio
+from kvstack.bench.plots import new_figure, save_figure
 from kvstack.bench.throughput import sizes as throughput_sizes
 from kvstack.engine.llm import LLM
 from kvstack.sampling_params import SamplingParams

@@ -23,19 +23,10 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from kvstack.bench.common import (
-    BenchOptions,
-    CaseResult,
-    Subject,
-    TableRow,
-    fmt,
-    new_figure,
-    per_second,
-    progress,
-    save_figure,
-    topic_texts,
-)
+from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow, progress, topic_texts
+from kvstack.bench.format import fmt, per_second
 from kvstack.bench.http_load import LoadTest, Sample, server
+from kvstack.bench.plots import new_figure, save_figure
 from kvstack.engine.chat import chat_token_ids
 from kvstack.errors import InvalidRequestError
 from kvstack.units import common_prefix_len, format_ms

@@ -15,16 +15,11 @@ from kvstack.bench.common import (
     Subject,
     TableRow,
     distinct_prompts,
-    fmt,
-    fmt_x,
-    median,
-    new_figure,
-    per_second,
     progress,
-    ratio,
-    save_figure,
 )
+from kvstack.bench.format import fmt, fmt_x, median, per_second, ratio
 from kvstack.bench.peers.hf import TransformersPeer
+from kvstack.bench.plots import new_figure, save_figure
 from kvstack.engine.llm import LLM
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams

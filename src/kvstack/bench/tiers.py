@@ -24,19 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvstack.bench.common import (
-    BenchOptions,
-    CaseResult,
-    Subject,
-    TableRow,
-    fmt,
-    fmt_x,
-    log_scale_y,
-    new_figure,
-    progress,
-    ratio,
-    save_figure,
-)
+from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow, progress
+from kvstack.bench.format import fmt, fmt_x, ratio
+from kvstack.bench.plots import log_scale_y, new_figure, save_figure
 from kvstack.bench.prefix import document
 from kvstack.engine.llm import LLM
 from kvstack.sampling_params import SamplingParams

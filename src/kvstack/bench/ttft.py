@@ -13,22 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstack.bench.common import (
-    BenchOptions,
-    CaseResult,
-    Subject,
-    TableRow,
-    fmt,
-    fmt_x,
-    log_scale_y,
-    median,
-    new_figure,
-    per_second,
-    progress,
-    ratio,
-    save_figure,
-)
+from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow, progress
+from kvstack.bench.format import fmt, fmt_x, median, per_second, ratio
 from kvstack.bench.peers.hf import TransformersPeer
+from kvstack.bench.plots import log_scale_y, new_figure, save_figure
 from kvstack.bench.prefix import document
 from kvstack.engine.llm import LLM
 from kvstack.sampling_params import SamplingParams

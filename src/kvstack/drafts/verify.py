@@ -16,6 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
+# Draft tokens fed in one step start at FIRST_WINDOW and double after a fully accepted step:
+# a wrong draft usually fails at its first token, so it costs a few rows, not a whole
+# answer's; a right one still arrives in a handful of steps. 1 + 7 rows is also the largest
+# step the C kernels compute row by row (exactly as decode steps), which a lossy KV cache
+# needs for verification to reproduce decoding bit for bit (the window stays there).
+FIRST_WINDOW = 7
+MAX_WINDOW = 64
+
 
 @dataclass(frozen=True)
 class Verified:
@@ -45,3 +53,10 @@ def remaining_draft(draft: list[int], emitted: list[int]) -> list[int]:
     if it began with exactly those tokens, else nothing (it no longer continues the text)."""
     n = len(emitted)
     return list(draft[n:]) if draft[:n] == emitted else []
+
+
+def next_window(window: int, num_fed: int, num_accepted: int, lossy_cache: bool) -> int:
+    """The draft window after a step that fed `num_fed` draft tokens."""
+    if lossy_cache or num_fed == 0 or num_accepted < num_fed:
+        return window
+    return min(2 * window, MAX_WINDOW)

@@ -10,20 +10,23 @@ from dataclasses import asdict
 
 from kvstack.config import EngineConfig
 from kvstack.drafts.prompt_lookup import propose_drafts
-from kvstack.drafts.verify import remaining_draft
+from kvstack.drafts.verify import next_window, remaining_draft
 from kvstack.engine.builder import build_engine
-from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder, find_stop, stop_holdback
+from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder
 from kvstack.engine.info import ModelInfo
 from kvstack.engine.parallel import SampleGroup, SampleGroups, check_fits, sample_ids, sample_params
 from kvstack.engine.request import Request
+from kvstack.engine.request_output import completion_output, request_output, stop_reason
 from kvstack.engine.runner import ModelRunner, Sampled
 from kvstack.engine.scheduler import Scheduler, SchedulerOutput
 from kvstack.engine.stats import EngineStats
 from kvstack.engine.tokenizer import check_token_ids
 from kvstack.errors import InvalidRequestError, PromptTooLongError
+from kvstack.kv.block_pool import BlockListener
+from kvstack.kv.snapshot import KVSnapshot
 from kvstack.kv.tiers.base import TierStats
 from kvstack.layers.sampler import Sampler
-from kvstack.outputs import CompletionOutput, RequestOutput
+from kvstack.outputs import DRAFT, MODEL, RequestOutput
 from kvstack.sampling_params import SamplingParams
 from kvstack.structured import Grammar, StructuredBackend
 
@@ -41,6 +44,7 @@ class LLMEngine:
         self.kv_storage = parts.kv_storage
         self.kv_manager = parts.kv_manager
         self.kv_tiers = parts.kv_tiers
+        self.lossy_kv_cache = parts.kv_storage is not None and parts.kv_storage.lossy
         self.info = ModelInfo(
             name=config.model, config=parts.model_config, fingerprint=parts.fingerprint,
             dtype=config.dtype, quantization=config.quantization,
@@ -55,7 +59,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), self.window)
         self.requests: dict[str, Request] = {}
-        self.groups = SampleGroups(self._completion)  # parallel samples, by the caller's id
+        self.groups = SampleGroups(completion_output)  # parallel samples, by the caller's id
         self._structured: StructuredBackend | None = None  # built on the first constraint
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
@@ -244,14 +248,18 @@ class LLMEngine:
                 continue
             if not request.output_token_ids and s.num_new_tokens:  # a fork shares its prompt
                 self.num_prompt_tokens += request.num_prompt_tokens
+            num_accepted = len(sampled.token_ids) - 1
+            request.draft_window = next_window(request.draft_window, s.num_draft_tokens,
+                                               num_accepted, self.lossy_kv_cache)
             request.num_draft_tokens += s.num_draft_tokens
-            request.num_accepted_tokens += len(sampled.token_ids) - 1
+            request.num_accepted_tokens += num_accepted
             self.num_draft_tokens += s.num_draft_tokens
-            self.num_accepted_tokens += len(sampled.token_ids) - 1
+            self.num_accepted_tokens += num_accepted
             request.draft_token_ids = remaining_draft(request.draft_token_ids,
                                                       sampled.token_ids)
             for k, token in enumerate(sampled.token_ids):
                 self.num_generation_tokens += 1
+                request.add_output_source(DRAFT if k < num_accepted else MODEL)
                 logprob = sampled.logprobs[k] if sampled.logprobs is not None else None
                 if sampled.top_logprobs is not None:
                     request.top_logprobs.append(sampled.top_logprobs[k])
@@ -275,68 +283,25 @@ class LLMEngine:
             request.logprobs.append(logprob)
         delta = request.detokenizer.add(token)
         request.text += delta
-        reason = self._stop_reason(request, token, delta)
+        reason = stop_reason(request, token, delta, self.eos_token_ids)
         if reason is not None:
             m.finished_time = now
         return reason
 
-    def _stop_reason(self, request: Request, token: int, delta: str) -> str | None:
-        p = request.sampling_params
-        if p.stop_token_ids and token in p.stop_token_ids:
-            request.stop_reason = token
-            return "stop"
-        if not p.ignore_eos and token in self.eos_token_ids:
-            request.stop_reason = token
-            return "stop"
-        if p.stop:
-            match = find_stop(request.text, len(delta), p.stop)
-            if match is not None:
-                index, stop = match
-                request.text = request.text[: index + (len(stop) if
-                                                       p.include_stop_str_in_output else 0)]
-                request.stop_reason = stop
-                return "stop"
-        if len(request.output_token_ids) >= request.max_tokens:
-            return "length"
-        return None
-
-    def _completion(self, request: Request) -> CompletionOutput:
-        text, sp = request.text, request.sampling_params
-        if not request.finished and sp.stop:
-            # Hold back a tail that may still grow into a stop string.
-            text = text[: len(text) - stop_holdback(text, sp.stop)]
-        return CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(request.output_token_ids),
-            logprobs=list(request.logprobs) if sp.logprobs is not None else None,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            top_logprobs=list(request.top_logprobs) if sp.logprobs else None,
-            cumulative_logprob=sum(request.logprobs) if sp.logprobs is not None else None,
-        )
-
     def make_output(self, request: Request) -> RequestOutput:
-        sp = request.sampling_params
-        completion = self._completion(request)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.finished,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            metrics=request.metrics,
-            prompt_logprobs=(list(request.prompt_logprobs or [None] * request.num_prompt_tokens)
-                             if sp.prompt_logprobs is not None else None),
-            num_draft_tokens=request.num_draft_tokens,
-            num_accepted_tokens=request.num_accepted_tokens,
-        )
+        return request_output(request)
 
     # -- cache control and stats ------------------------------------------------------------
 
     def reset_prefix_cache(self) -> int:
         return self.kv_manager.reset_prefix_cache() if self.kv_manager else 0
+
+    def add_block_listener(self, listener: BlockListener) -> None:
+        """Tell `listener` of every block hash entering or leaving the prefix cache (on the
+        step thread; a cluster replica publishes them to its router)."""
+        if self.kv_manager is None or not self.kv_manager.enable_prefix_caching:
+            raise InvalidRequestError("block listeners need the prefix cache; turn it on")
+        self.kv_manager.pool.add_listener(listener)
 
     def pin_prefix(
         self, token_ids: Sequence[int], cache_salt: str | None, ttl_s: float
@@ -393,6 +358,12 @@ class LLMEngine:
             tiers=self.kv_tiers.stats() if self.kv_tiers else (),
             **(asdict(usage) if usage else {}),
         )
+
+    def cache_snapshot(self) -> KVSnapshot | None:
+        """The KV pool right now: each block's state, the published prefix blocks (tokens,
+        tenant salt, hits, tiers) and the requests holding blocks; None without a KV cache.
+        O(blocks) plain copies; call it between steps (AsyncLLM takes the engine lock)."""
+        return self.kv_manager.snapshot() if self.kv_manager is not None else None
 
     def check_integrity(self) -> None:
         if self.kv_manager is not None:

@@ -139,7 +139,8 @@ class Scheduler:
                 or start + num_new != request.num_tokens
                 or not request.sampling_params.verifies_drafts):
             return []
-        room = min(budget - num_new, request.max_tokens - len(request.output_token_ids) - 1)
+        room = min(budget - num_new, request.max_tokens - len(request.output_token_ids) - 1,
+                   request.draft_window)
         return request.draft_token_ids[:max(room, 0)]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -191,6 +192,7 @@ class Scheduler:
                 request.resumed_at_step = self.step_index
             else:
                 request.num_cached_tokens = hit.num_tokens
+                request.num_restored_tokens = hit.num_restored_tokens
                 kv.record_query(request, hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -15,7 +15,14 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvstack.argtypes import name_list, non_negative_int, positive_int
-from kvstack.eval.quality import AgainstReference, Scores, add_eval_args, write_eval_json
+from kvstack.eval.quality import (
+    SCORE_HEADER,
+    AgainstReference,
+    Scores,
+    add_eval_args,
+    score_columns,
+    write_eval_json,
+)
 
 SETTINGS = ("float32", "bfloat16", "int8", "fp8", "int4", "window", "window-int8",
             "window-int4")
@@ -99,13 +106,10 @@ def run(args: argparse.Namespace) -> int:
           f"{rows[0].scores.num_prompts} chat prompts x {args.agreement_tokens} tokens vs "
           f"{rows[0].setting}; window settings attend {args.kv_sink_tokens} sink + "
           f"{args.kv_window - args.kv_sink_tokens} recent tokens (approximate)")
-    print(f"{'setting':<12} {'KV/token':>9} {'tokens/GiB':>10} {'perplexity':>10} "
-          f"{'change':>8} {'agreement':>9} {'identical':>9}")
+    print(f"{'setting':<12} {'KV/token':>9} {'tokens/GiB':>10} {SCORE_HEADER}")
     for r in rows:
-        s = r.scores
         print(f"{r.setting:<12} {r.bytes_per_token / 1024:6.2f}KiB {r.tokens_per_gib:>10,} "
-              f"{s.perplexity:10.4f} {100 * s.perplexity_change:+7.2f}% "
-              f"{100 * s.token_agreement:8.1f}% {s.exact_prompts:>5}/{s.num_prompts}")
+              f"{score_columns(r.scores)}")
     write_eval_json(args.out, {
         "eval": "kv", "model": args.model, "tokens": args.tokens, "window": args.window,
         "chunk": args.chunk, "agreement_tokens": args.agreement_tokens,

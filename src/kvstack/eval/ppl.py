@@ -13,7 +13,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvstack.argtypes import name_list
-from kvstack.eval.quality import AgainstReference, Scores, add_eval_args, write_eval_json
+from kvstack.eval.quality import (
+    SCORE_HEADER,
+    AgainstReference,
+    Scores,
+    add_eval_args,
+    score_columns,
+    write_eval_json,
+)
 
 # name -> LLM keyword arguments; the first is the reference the others are compared with.
 FORMATS: dict[str, dict[str, Any]] = {
@@ -66,13 +73,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"held-out text: {args.tokens} tokens of pydoc_data.topics in windows of "
           f"{args.window}; greedy agreement: {rows[0].scores.num_prompts} chat prompts x "
           f"{args.agreement_tokens} tokens vs {rows[0].name}")
-    print(f"{'format':<18} {'weights':>9} {'perplexity':>10} {'change':>8} "
-          f"{'agreement':>9} {'identical':>9}")
+    print(f"{'format':<18} {'weights':>9} {SCORE_HEADER}")
     for r in rows:
-        s = r.scores
-        print(f"{r.name:<18} {r.weight_bytes / 2**20:7.0f}MiB {s.perplexity:10.4f} "
-              f"{100 * s.perplexity_change:+7.2f}% {100 * s.token_agreement:8.1f}% "
-              f"{s.exact_prompts:>5}/{s.num_prompts}")
+        print(f"{r.name:<18} {r.weight_bytes / 2**20:7.0f}MiB {score_columns(r.scores)}")
     write_eval_json(args.out, {
         "eval": "ppl", "model": args.model, "tokens": args.tokens, "window": args.window,
         "agreement_tokens": args.agreement_tokens,

@@ -147,6 +147,15 @@ class Scores:
     num_prompts: int
 
 
+# The score columns both `eval ppl` and `eval kv` print after their own.
+SCORE_HEADER = f"{'perplexity':>10} {'change':>8} {'agreement':>9} {'identical':>9}"
+
+
+def score_columns(s: Scores) -> str:
+    return (f"{s.perplexity:10.4f} {100 * s.perplexity_change:+7.2f}% "
+            f"{100 * s.token_agreement:8.1f}% {s.exact_prompts:>5}/{s.num_prompts}")
+
+
 class AgainstReference:
     """Scores LLMs one after another; the first one scored is the reference."""
 

@@ -1,11 +1,24 @@
 """`kvstack eval semantic`: how often the semantic cache hits, and how often it is wrong.
 
-On labelled question pairs (data/pairs.jsonl: paraphrases, and near-misses that differ in a
-number, entity, negation, opposite word, intent or order) it reports, per similarity
-threshold, the paraphrase hit rate and the near-miss false-hit rate with the guard and
-without it (embedding alone); then it replays every pair through a real `SemanticCache` at
-the chosen threshold (one scope holding every first question: a query may also hit another
-pair's entry), and compares the lookup latency with the embedded model's time to first token.
+The labelled question pairs come in two splits, kept in separate files:
+
+- data/pairs.jsonl, the tuning split: the threshold and the swap guard's bar are calibrated
+  on it, and only on it;
+- data/pairs_holdout.jsonl, the held-out split: never tuned on, it checks the chosen values.
+
+Each holds paraphrases (label "paraphrase": should hit) and near-misses that differ in a
+number, entity, negation, opposite word, intent, order, or by one or two swapped content words
+(label "swap": "sort a dictionary by value" / "by key"). The 173 swaps and 76 paraphrases
+added for issue 13 were written before the swap guard and split at random (seed 13): 100
+swaps and 44 paraphrases went to the tuning split, 73 and 32 to the held-out one.
+
+For each split it reports, per similarity threshold, the paraphrase hit rate and the near-miss
+false-hit rate with the guards (lexical, then swap) and without them (embedding alone), and
+the rates at the chosen threshold with each guard's refusals; it recommends a threshold (from
+the tuning sweep) and a bar for the swap guard (from the tuning swaps); then it replays every
+pair through a real `SemanticCache` at the chosen threshold (one scope holding every first
+question: a query may also hit another pair's entry), and compares the lookup latency, and
+what a swap check adds to it, with the embedded model's time to first token.
 """
 
 from __future__ import annotations
@@ -28,8 +41,11 @@ from kvstack.semantic.cache import DEFAULT_THRESHOLD, SemanticCache, SemanticCac
 from kvstack.semantic.embedder import Embedder
 from kvstack.semantic.entry import Answer, Scope
 from kvstack.semantic.guard import reject_reason
+from kvstack.semantic.swap import DEFAULT_MIN_SIMILARITY, SwapCheck, SwapGuard
+from kvstack.semantic.swap import REASON as SWAP_REASON
 
 SAFETY_MARGIN = 0.02  # added to the lowest threshold with no false hits on the tuning set
+SWAP_MARGIN = 0.02  # added to the highest swap similarity of a tuning near-miss
 THRESHOLDS = tuple(round(0.70 + 0.01 * i, 2) for i in range(29))  # 0.70 .. 0.98
 
 
@@ -48,7 +64,8 @@ class Pair:
 class Scored:
     pair: Pair
     similarity: float
-    guard: str | None  # why the guard refuses b given a, or None
+    guard: str | None  # why the guards (lexical, then swap) refuse b given a, or None
+    swap: SwapCheck | None = None  # the swap guard's finding where the lexical guard passed
 
 
 @dataclass(frozen=True)
@@ -85,12 +102,30 @@ def load_pairs(path: Path | None = None, packaged: str = "pairs.jsonl") -> list[
     return pairs
 
 
-def score(embedder: Embedder, pairs: list[Pair]) -> list[Scored]:
+def score(embedder: Embedder, pairs: list[Pair],
+          swap_guard: SwapGuard | None = None) -> list[Scored]:
+    """Each pair's similarity and guard verdict, as `SemanticCache.lookup` would give it. The
+    swap guard is asked only from the sweep's lowest threshold up (below, nothing hits)."""
+    swap_guard = swap_guard or SwapGuard(embedder)
     a = embedder.embed([normalize(p.a) for p in pairs])
     b = embedder.embed([normalize(p.b) for p in pairs])
     sims = np.einsum("nd,nd->n", a, b)
-    return [Scored(p, float(s), reject_reason(p.b, p.a)) for p, s in zip(pairs, sims,
-                                                                           strict=True)]
+    scored = []
+    for p, s, va, vb in zip(pairs, sims, a, b, strict=True):
+        reason, found = reject_reason(p.b, p.a), None
+        if reason is None and s >= THRESHOLDS[0]:
+            found = swap_guard.check(normalize(p.b), normalize(p.a), vb, va)
+            reason = None if found is None else swap_guard.verdict(found)
+        scored.append(Scored(p, float(s), reason, found))
+    return scored
+
+
+def choose_swap_similarity(scored: list[Scored], margin: float = SWAP_MARGIN) -> float:
+    """The swap guard's bar: the highest contextual similarity of a near-miss swap that
+    reaches the sweep's lowest threshold (the words that must not pass), plus `margin`."""
+    sims = [s.swap.similarity for s in scored if not s.pair.should_hit and s.swap is not None
+            and s.swap.similarity is not None and s.similarity >= THRESHOLDS[0]]
+    return round(min(1.0, max(sims, default=0.0) + margin), 2)
 
 
 def sweep(scored: list[Scored], thresholds: tuple[float, ...] = THRESHOLDS) -> list[SweepRow]:
@@ -126,10 +161,12 @@ def choose_threshold(rows: list[SweepRow], margin: float = SAFETY_MARGIN) -> flo
     return round(min(1.0, safe + margin), 2)
 
 
-def replay(embedder: Embedder, pairs: list[Pair], threshold: float) -> dict[str, Any]:
+def replay(embedder: Embedder, pairs: list[Pair], threshold: float,
+           swap_similarity: float | None = DEFAULT_MIN_SIMILARITY) -> dict[str, Any]:
     """Every pair's first question stored in one scope, every second one looked up."""
-    cache = SemanticCache(embedder, SemanticCacheConfig(threshold=threshold, ttl_s=None,
-                                                        max_entries=len(pairs) + 1))
+    cache = SemanticCache(embedder, SemanticCacheConfig(
+        threshold=threshold, ttl_s=None, max_entries=len(pairs) + 1,
+        swap_similarity=swap_similarity))
     scope = Scope("eval", "eval")
     stored = list(dict.fromkeys(normalize(p.a) for p in pairs))
     vectors = embedder.embed(stored)
@@ -158,6 +195,8 @@ def replay(embedder: Embedder, pairs: list[Pair], threshold: float) -> dict[str,
         "wrong_hits": wrong, "missed_paraphrases": missed,
         "lookup_ms_p50": statistics.median(ms), "lookup_ms_p99": _percentile(ms, 0.99),
         "guard_rejections": cache.stats.guard_rejections,
+        "swap_checks": cache.stats.swap_checks,
+        "swap_ms_mean": _rate(1000 * cache.stats.swap_seconds, cache.stats.swap_checks),
     }
 
 
@@ -199,6 +238,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "packaged held-out set, unless --pairs is given)")
     parser.add_argument("--threshold", type=float, default=None, metavar="X",
                         help="replay at this threshold (default: the recommended one)")
+    parser.add_argument("--swap-similarity", type=float, default=None, metavar="X",
+                        help="the swap guard's bar (default: the library default)")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="the model whose TTFT the lookup latency is compared with")
     parser.add_argument("--threads", type=positive_int, default=1, metavar="N",
@@ -220,29 +261,59 @@ def run(args: argparse.Namespace) -> int:
     holdout = [] if args.pairs is not None and args.holdout is None else \
         load_pairs(args.holdout, "pairs_holdout.jsonl")
     embedder = MiniLMEmbedder()
-    scored = score(embedder, pairs)
+    swap_similarity = DEFAULT_MIN_SIMILARITY if args.swap_similarity is None \
+        else args.swap_similarity
+    swap_guard = SwapGuard(embedder, swap_similarity)
+    scored = score(embedder, pairs, swap_guard)
     rows = sweep(scored)
     chosen = choose_threshold(rows)
+    swap_chosen = choose_swap_similarity(scored)
     threshold = args.threshold if args.threshold is not None else chosen
     print(f"tuning pairs: {len(pairs)} ({_labels(_count(pairs))})")
-    print(f"{'threshold':>9}  {'hit%':>6}  {'false%':>6}  {'hit% no guard':>13}  "
-          f"{'false% no guard':>15}  false hits by kind")
-    for r in rows:
-        mark = " <- recommended" if r.threshold == chosen else ""
-        print(f"{r.threshold:9.2f}  {100 * r.hit_rate:6.1f}  {100 * r.false_hit_rate:6.1f}  "
-              f"{100 * r.hit_rate_unguarded:13.1f}  {100 * r.false_hit_rate_unguarded:15.1f}  "
-              f"{_labels(r.false_hits_by_label)}{mark}")
+    _print_sweep(rows, chosen)
     print(f"recommended threshold {chosen:.2f} (lowest with no false hit at or above it, "
           f"+{SAFETY_MARGIN}); library default {DEFAULT_THRESHOLD:.2f}")
-    figures = {"tuning": _figures(scored, threshold)}
+    print(f"swap guard: recommended bar {swap_chosen:.2f} (highest contextual similarity of "
+          f"a tuning near-miss swap from {THRESHOLDS[0]:.2f}, +{SWAP_MARGIN}); library "
+          f"default {DEFAULT_MIN_SIMILARITY:.2f}; used {swap_similarity:.2f}")
+    splits = {"tuning": scored}
+    sweeps = {"tuning": rows}
     if holdout:
-        figures["holdout"] = _figures(score(embedder, holdout), threshold)
+        splits["holdout"] = score(embedder, holdout, swap_guard)
+        sweeps["holdout"] = sweep(splits["holdout"])
+        print(f"held-out pairs (never tuned on): {len(holdout)} ({_labels(_count(holdout))})")
+        _print_sweep(sweeps["holdout"])
+    figures = {name: _figures(split, threshold) for name, split in splits.items()}
     for name, f in figures.items():
         print(f"{name} at {threshold:.2f}: paraphrase hit rate {100 * f['hit_rate']:.1f}% "
               f"({f['hits']}/{f['paraphrases']}), near-miss false-hit rate "
               f"{100 * f['false_hit_rate']:.1f}% ({f['false_hits']}/{f['near_misses']}); "
               f"guard refusals: {_labels(f['guard_refusals'])}")
-    replayed = replay(embedder, pairs + holdout, threshold)
+        print(f"  swap guard ({swap_similarity:.2f}): refused {f['swap_refused_near_misses']} "
+              f"near-misses and {f['swap_refused_paraphrases']} paraphrases over the "
+              f"threshold; it checked {f['swap_checked']} pairs there")
+    replayed, ttft = _replay_and_ttft(args, embedder, pairs + holdout, threshold,
+                                      swap_similarity)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "pairs": _count(pairs), "holdout_pairs": _count(holdout),
+            "recommended_threshold": chosen, "threshold": threshold,
+            "recommended_swap_similarity": swap_chosen, "swap_similarity": swap_similarity,
+            "figures": figures,
+            "sweeps": {name: [asdict(r) for r in r_] for name, r_ in sweeps.items()},
+            "replay": replayed, "ttft_ms": None if ttft is None else ttft * 1000,
+            "scored": {name: [_scored_row(s) for s in split] for name, split in splits.items()},
+        }, indent=1))
+    return 0
+
+
+def _replay_and_ttft(args: argparse.Namespace, embedder: Embedder, pairs: list[Pair],
+                     threshold: float, swap_similarity: float
+                     ) -> tuple[dict[str, Any], float | None]:
+    """Replay every pair through a real cache and print it, with the model's TTFT beside the
+    lookup latency (unless --no-ttft)."""
+    replayed = replay(embedder, pairs, threshold, swap_similarity)
     print(f"replay through SemanticCache ({replayed['entries']} entries, one scope, "
           f"{replayed['queries']} lookups): right hits {replayed['right_hits']}, other hits "
           f"{len(replayed['wrong_hits'])} (listed: judge them), missed paraphrases "
@@ -250,23 +321,37 @@ def run(args: argparse.Namespace) -> int:
     for w in replayed["wrong_hits"]:
         print(f"  other hit ({w['similarity']}): {w['query']!r} -> {w['hit']!r}")
     line = (f"lookup latency p50 {replayed['lookup_ms_p50']:.1f} ms, p99 "
-            f"{replayed['lookup_ms_p99']:.1f} ms (embedding + search + guard)")
+            f"{replayed['lookup_ms_p99']:.1f} ms (embedding + search + guards); a swap "
+            f"check adds {replayed['swap_ms_mean']:.1f} ms on average "
+            f"({replayed['swap_checks']} checks in {replayed['queries']} lookups)")
     ttft = None
     if not args.no_ttft:
         print(f"measuring {args.model} TTFT...", file=sys.stderr)
         ttft = model_ttft(args.model, args.threads)
         line += f" vs {args.model} TTFT p50 {ttft * 1000:.1f} ms (max_tokens=1, cold prefix)"
     print(line)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
-            "pairs": _count(pairs), "recommended_threshold": chosen, "threshold": threshold,
-            "figures": figures, "sweep": [asdict(r) for r in rows], "replay": replayed,
-            "ttft_ms": None if ttft is None else ttft * 1000,
-            "scored": [{**asdict(s.pair), "similarity": round(s.similarity, 4),
-                        "guard": s.guard} for s in scored],
-        }, indent=1))
-    return 0
+    return replayed, ttft
+
+
+def _print_sweep(rows: list[SweepRow], chosen: float | None = None) -> None:
+    print(f"{'threshold':>9}  {'hit%':>6}  {'false%':>6}  {'hit% no guard':>13}  "
+          f"{'false% no guard':>15}  false hits by kind")
+    for r in rows:
+        mark = " <- recommended" if r.threshold == chosen else ""
+        print(f"{r.threshold:9.2f}  {100 * r.hit_rate:6.1f}  {100 * r.false_hit_rate:6.1f}  "
+              f"{100 * r.hit_rate_unguarded:13.1f}  {100 * r.false_hit_rate_unguarded:15.1f}  "
+              f"{_labels(r.false_hits_by_label)}{mark}")
+
+
+def _scored_row(s: Scored) -> dict[str, Any]:
+    row = {**asdict(s.pair), "similarity": round(s.similarity, 4), "guard": s.guard}
+    if s.swap is not None:
+        row["swap"] = {"query_words": s.swap.swap.query_words,
+                       "cached_words": s.swap.swap.cached_words,
+                       "contrastive": s.swap.contrastive,
+                       "similarity": None if s.swap.similarity is None
+                       else round(s.swap.similarity, 4)}
+    return row
 
 
 def _figures(scored: list[Scored], threshold: float) -> dict[str, Any]:
@@ -278,10 +363,15 @@ def _figures(scored: list[Scored], threshold: float) -> dict[str, Any]:
     for s in scored:
         if s.similarity >= threshold and s.guard:
             refusals[f"{s.guard} on {s.pair.label}"] += 1
+    over = [s for s in scored if s.similarity >= threshold]
+    swap_refused = [s for s in over if s.guard == SWAP_REASON]
     return {"paraphrases": len(positives), "hits": hits,
             "hit_rate": _rate(hits, len(positives)), "near_misses": len(negatives),
             "false_hits": false_hits, "false_hit_rate": _rate(false_hits, len(negatives)),
-            "guard_refusals": dict(refusals)}
+            "guard_refusals": dict(refusals),
+            "swap_checked": sum(s.swap is not None for s in over),
+            "swap_refused_near_misses": sum(not s.pair.should_hit for s in swap_refused),
+            "swap_refused_paraphrases": sum(s.pair.should_hit for s in swap_refused)}
 
 
 def _count(pairs: list[Pair]) -> dict[str, int]:

@@ -1,9 +1,11 @@
-"""Build and load the C kernels (`gemv.c`, `ops.c`) with the machine's C compiler, once per
-source and CPU: the library is cached under ~/.cache/kvstack/kernels/<key>/
+"""Build and load the C kernels (`gemv.c`, `ops.c`, `gguf.c`) with the machine's C compiler,
+once per source and CPU: the library is cached under ~/.cache/kvstack/kernels/<key>/
 (`KVSTACK_CACHE_DIR` moves the cache root), so later processes load it in milliseconds.
 
-The kernels need x86-64 with AVX-512; anywhere else, or without a compiler, or with
-`KVSTACK_KERNELS=0`, `load()` returns None and the model uses PyTorch's ops throughout.
+The kernels need x86-64 with AVX-512 (F, BW) or AVX2 + FMA + F16C; the sources hold one
+implementation for each, chosen by the compiler from the target (`-march=native`). Anywhere
+else, or without a compiler, or with `KVSTACK_KERNELS=0`, `load()` returns None and the model
+uses PyTorch's ops throughout.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from kvstack.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("gemv.c", "ops.c")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+SOURCES = ("gemv.c", "ops.c", "gguf.c")
+_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_ARCH = ("-march=native",)  # this CPU's instruction set picks the implementation
+_NAMES = {"avx512": "AVX-512", "avx2": "AVX2+FMA"}
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     # x, rows, k, w, n, scale, bias, y, threads
@@ -45,6 +49,18 @@ _SIGNATURES = {
     "decode_attention": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT],
 }
 _SUFFIXES = {"gemv": ("f32", "bf16", "i8", "q8", "bf16dp")}
+# Functions without dtype variants: name -> (argtypes, restype).
+_PLAIN = {
+    "kvstack_gemv_isa": ([], ctypes.c_char_p),
+    # type, bytes_out
+    "gguf_block_size": ([_INT, _P], _I64),
+    # type, x, rows, k, w, n, bias, y, threads
+    "gguf_gemv": ([_INT, _P, _I64, _I64, _P, _I64, _P, _P, _INT], _INT),
+    # type, w, k, ids, count, out, threads
+    "gguf_dequantize": ([_INT, _P, _I64, _P, _I64, _P, _INT], _INT),
+    # type, w, k, ids, count, out
+    "gguf_dequantize_reference": ([_INT, _P, _I64, _P, _I64, _P], _INT),
+}
 
 
 def _cpu_flags() -> str:
@@ -63,13 +79,21 @@ def _supported() -> str | None:
     if os.environ.get("KVSTACK_KERNELS", "1") == "0":
         return "disabled by KVSTACK_KERNELS=0"
     if platform.machine() not in ("x86_64", "AMD64"):
-        return f"no AVX-512 kernels for {platform.machine()}"
-    flags = _cpu_flags().split()
-    if "avx512f" not in flags or "avx512bw" not in flags:
-        return "this CPU lacks AVX-512 (avx512f, avx512bw)"
+        return f"no kernels for {platform.machine()} (x86-64 only)"
+    flags = set(_cpu_flags().split())
+    if not ({"avx512f", "avx512bw"} <= flags or {"avx2", "fma", "f16c"} <= flags):
+        return "this CPU has neither AVX-512 (avx512f, avx512bw) nor AVX2 + FMA + F16C"
     if shutil.which(os.environ.get("CC", "cc")) is None:
         return "no C compiler (cc) on PATH"
     return None
+
+
+def compile_command(sources: list[Path], output: Path | str,
+                    arch: tuple[str, ...] = _ARCH) -> list[str]:
+    """The compiler command that builds `sources` into the shared library `output`; `arch`
+    replaces `-march=native` (the tests build for other targets than this CPU with it)."""
+    return [os.environ.get("CC", "cc"), *_FLAGS, *arch, *map(str, sources), "-o", str(output),
+            "-lm"]
 
 
 def _build(sources: list[Path], target: Path) -> None:
@@ -78,12 +102,25 @@ def _build(sources: list[Path], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [os.environ.get("CC", "cc"), *_FLAGS, *map(str, sources), "-o", tmp, "-lm"]
+        cmd = compile_command(sources, tmp)
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def expected_symbols() -> set[str]:
+    """Every function the Python side binds from the library."""
+    names = {f"{base}_{suffix}" for base in _SIGNATURES
+             for suffix in _SUFFIXES.get(base, ("f32", "bf16"))}
+    return names | set(_PLAIN)
+
+
+def isa() -> str | None:
+    """Which implementation the loaded library holds: "avx512" or "avx2"; None when off."""
+    lib = load()
+    return lib.kvstack_gemv_isa().decode() if lib is not None else None
 
 
 def has_vnni() -> bool:
@@ -104,14 +141,15 @@ def load() -> ctypes.CDLL | None:
         log.info("kvstack C kernels off: %s", reason)
         return None
     folder = resources.files("kvstack.kernels")
-    code = b"".join(folder.joinpath(name).read_bytes() for name in _SOURCES)
-    key = hashlib.sha256(code + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()
+    code = b"".join(folder.joinpath(name).read_bytes() for name in SOURCES)
+    flags = " ".join(_FLAGS + _ARCH).encode()
+    key = hashlib.sha256(code + flags + _cpu_flags().encode()).hexdigest()
     target = cache_root() / "kernels" / key[:16] / "libkvstack_kernels.so"
     try:
         if not target.exists():
             with ExitStack() as stack:
                 paths = [stack.enter_context(resources.as_file(folder.joinpath(name)))
-                         for name in _SOURCES]
+                         for name in SOURCES]
                 _build(paths, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as err:
@@ -123,6 +161,9 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{base}_{suffix}")
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int if base == "decode_step" else None
+    for name, (argtypes, restype) in _PLAIN.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 
@@ -131,7 +172,8 @@ def status() -> str:
     reason = _supported()
     if reason is not None:
         return f"C kernels off: {reason}"
-    return "C kernels: AVX-512, built" if load() is not None else "C kernels off: build failed"
+    built = isa()
+    return f"C kernels: {_NAMES[built]}, built" if built else "C kernels off: build failed"
 
 
 if __name__ == "__main__":  # `python -m kvstack.kernels.build`: build now (make install does)

@@ -1,8 +1,11 @@
 /* Skinny matrix products for decode: y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for the
  * rows of a decode step, with W in the reference's [out, in] row-major layout stored as fp32, bf16 or int8
  * (int8: times a per-row scale). Decode is bound by streaming W from memory, so each W row is
- * read from memory once for all rows of x, 16 lanes per instruction, and the output
+ * read from memory once for all rows of x, 16 lanes per instruction (8 on AVX2), and the output
  * columns are split between OpenMP threads (the same runtime PyTorch uses).
+ *
+ * Two implementations, chosen at compile time by the target (-march=native): AVX-512 (F, BW;
+ * VNNI and BF16 per function) and AVX2 + FMA. They export the same symbols and signatures.
  *
  * The reduction order of a row never depends on how many rows x has, so a token's result is
  * the same whatever else shares its step.
@@ -12,6 +15,75 @@
 #include <stdlib.h>
 #include <string.h>
 #include <stdint.h>
+
+/* ---- shared by both implementations ---------------------------------------------------- */
+
+/* The int8 x int8 kernels (gemv_q8) round each 64-element block of an activation row to int8
+ * with its own scale, amax / 127 (zero-padded to whole blocks). */
+#define QB 64
+
+/* corr (or NULL): per row, 128 * sum(x as rounded); see gemv_q8. */
+static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *xq, float *sx,
+                          float *corr) {
+    const int64_t nb = (k + QB - 1) / QB;
+    for (int64_t r = 0; r < rows; r++) {
+        float c = 0.f;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t lo = b * QB, len = k - lo < QB ? k - lo : QB;
+            float amax = 0.f;
+            for (int64_t i = 0; i < len; i++) {
+                const float a = x[r * k + lo + i] < 0 ? -x[r * k + lo + i] : x[r * k + lo + i];
+                amax = a > amax ? a : amax;
+            }
+            const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+            int32_t sum = 0;
+            int8_t *dst = xq + (r * nb + b) * QB;
+            for (int64_t i = 0; i < QB; i++) {
+                const int32_t q = i < len ? (int32_t)lrintf(x[r * k + lo + i] * inv) : 0;
+                dst[i] = (int8_t)q;
+                sum += q;
+            }
+            sx[r * nb + b] = s;
+            c += s * (float)sum;
+        }
+        if (corr) corr[r] = 128.f * c;
+    }
+}
+
+/* The loop both dot-product kernels below share: blocks of 4 W rows split between threads,
+ * x rows 4 at a time through BLOCK_1..4(x rows, ..., w, nn, out); OFF[r] (or NULL) is subtracted
+ * from row r's sums before the scale. */
+#define DOT_PRODUCT_LOOP(BLOCK, XR, OFF, ...)                                                   \
+    {                                                                                          \
+        const float *off_ = (OFF);                                                             \
+        const int64_t nblocks = (n + 3) / 4;                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                       \
+        for (int64_t blk = 0; blk < nblocks; blk++) {                                          \
+            const int64_t n0 = blk * 4, nn = n - n0 < 4 ? n - n0 : 4;                           \
+            for (int64_t r0 = 0; r0 < rows; r0 += 4) {                                        \
+                const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;                               \
+                float out[4][4];                                                               \
+                switch (rr) {                                                                  \
+                case 1: BLOCK##_1(XR, __VA_ARGS__, w + n0 * k, nn, out); break;                \
+                case 2: BLOCK##_2(XR, __VA_ARGS__, w + n0 * k, nn, out); break;                \
+                case 3: BLOCK##_3(XR, __VA_ARGS__, w + n0 * k, nn, out); break;                \
+                default: BLOCK##_4(XR, __VA_ARGS__, w + n0 * k, nn, out); break;               \
+                }                                                                              \
+                for (int64_t r = 0; r < rr; r++)                                               \
+                    for (int64_t j = 0; j < nn; j++) {                                         \
+                        float s_ = out[r][j];                                                  \
+                        if (off_) s_ -= off_[r0 + r];                                          \
+                        if (scale) s_ *= scale[n0 + j];                                        \
+                        if (bias) s_ += bias[n0 + j];                                          \
+                        y[(r0 + r) * n + n0 + j] = s_;                                         \
+                    }                                                                          \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* ---- AVX-512 ------------------------------------------------------------------------------- */
 
 
 static inline __m512 load_f32(const float *p) { return _mm512_loadu_ps(p); }
@@ -134,37 +206,6 @@ DEFINE_GEMV(gemv_bf16, bf16, uint16_t)
 DEFINE_GEMV(gemv_i8, i8, int8_t)
 
 
-/* The loop both dot-product kernels below share: blocks of 4 W rows split between threads,
- * x rows 4 at a time through BLOCK_1..4(x rows, ..., w, nn, out); OFF[r] (or NULL) is subtracted
- * from row r's sums before the scale. */
-#define DOT_PRODUCT_LOOP(BLOCK, XR, OFF, ...)                                                   \
-    {                                                                                          \
-        const float *off_ = (OFF);                                                             \
-        const int64_t nblocks = (n + 3) / 4;                                                   \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                       \
-        for (int64_t blk = 0; blk < nblocks; blk++) {                                          \
-            const int64_t n0 = blk * 4, nn = n - n0 < 4 ? n - n0 : 4;                           \
-            for (int64_t r0 = 0; r0 < rows; r0 += 4) {                                        \
-                const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;                               \
-                float out[4][4];                                                               \
-                switch (rr) {                                                                  \
-                case 1: BLOCK##_1(XR, __VA_ARGS__, w + n0 * k, nn, out); break;                \
-                case 2: BLOCK##_2(XR, __VA_ARGS__, w + n0 * k, nn, out); break;                \
-                case 3: BLOCK##_3(XR, __VA_ARGS__, w + n0 * k, nn, out); break;                \
-                default: BLOCK##_4(XR, __VA_ARGS__, w + n0 * k, nn, out); break;               \
-                }                                                                              \
-                for (int64_t r = 0; r < rr; r++)                                               \
-                    for (int64_t j = 0; j < nn; j++) {                                         \
-                        float s_ = out[r][j];                                                  \
-                        if (off_) s_ -= off_[r0 + r];                                          \
-                        if (scale) s_ *= scale[n0 + j];                                        \
-                        if (bias) s_ += bias[n0 + j];                                          \
-                        y[(r0 + r) * n + n0 + j] = s_;                                         \
-                    }                                                                          \
-            }                                                                                  \
-        }                                                                                      \
-    }
-
 /* int8 weights x int8 activations (AVX512-VNNI), for decode with int8 weights: each 64-element
  * block of an x row is quantized to int8 with its own scale (amax / 127; measured on the
  * embedded model: +0.01% perplexity over fp32 activations), and 64 weights x activations
@@ -172,36 +213,6 @@ DEFINE_GEMV(gemv_i8, i8, int8_t)
  * being bound by arithmetic. vpdpbusd wants unsigned x signed bytes, so the weights are fed
  * as q + 128 (q ^ 0x80) and the extra 128 * sum(x) -- the same for every output -- is
  * subtracted at the end. */
-#define QB 64
-
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *xq, float *sx,
-                          float *corr) {
-    const int64_t nb = (k + QB - 1) / QB;
-    for (int64_t r = 0; r < rows; r++) {
-        float c = 0.f;
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t lo = b * QB, len = k - lo < QB ? k - lo : QB;
-            float amax = 0.f;
-            for (int64_t i = 0; i < len; i++) {
-                const float a = x[r * k + lo + i] < 0 ? -x[r * k + lo + i] : x[r * k + lo + i];
-                amax = a > amax ? a : amax;
-            }
-            const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
-            int32_t sum = 0;
-            int8_t *dst = xq + (r * nb + b) * QB;
-            for (int64_t i = 0; i < QB; i++) {
-                const int32_t q = i < len ? (int32_t)lrintf(x[r * k + lo + i] * inv) : 0;
-                dst[i] = (int8_t)q;
-                sum += q;
-            }
-            sx[r * nb + b] = s;
-            c += s * (float)sum;
-        }
-        corr[r] = 128.f * c;
-    }
-}
-
 #define DEFINE_Q8_BLOCK(R)                                                                     \
     __attribute__((target("avx512f,avx512bw,avx512vnni")))                                    \
     static inline void q8_block_##R(const int8_t *xq, const float *sx, int64_t nb, int64_t k, \
@@ -290,4 +301,217 @@ void gemv_bf16dp(const float *x, int64_t rows, int64_t k, const uint16_t *w, int
         }
     DOT_PRODUCT_LOOP(bf16dp_block, xb + r0 * kp, (const float *)NULL, kp, k)
     free(xb);
+}
+
+#else
+/* ---- AVX2 + FMA ---------------------------------------------------------------------------
+ * The same kernels with 8 lanes and 16 vector registers: a block of x rows x W rows keeps its
+ * accumulators in registers, so fewer W rows share a pass when more x rows do (1 x 8, 2 x 4,
+ * 3-4 x 2). Each (x row, W row) sum sees the same FMAs in the same order whatever the block,
+ * so a row's result does not depend on the others in its step. */
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+/* bf16 -> fp32 is a 16-bit shift into the high half of each 32-bit lane. */
+static inline __m256 load8_bf16(const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256 load8_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* R rows of x against NB W rows. The K % 8 tail goes through zero-padded copies (AVX2 has
+ * no byte/word masked loads), so any K works and nothing past a row's end is read. */
+#define DEFINE_BLOCK8(SUF, WT, LOAD, R, NB)                                                   \
+    static inline void block_##SUF##_##R##_##NB(const float *x, int64_t k, const WT *w,      \
+                                               float out[R][NB]) {                            \
+        const int64_t k8 = k & ~(int64_t)7;                                                   \
+        __m256 acc[R][NB];                                                                     \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();                      \
+        for (int64_t i = 0; i < k8; i += 8) {                                                  \
+            __m256 xv[R];                                                                      \
+            for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * k + i);                \
+            for (int j = 0; j < NB; j++) {                                                     \
+                const __m256 wv = LOAD(w + j * k + i);                                         \
+                for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(xv[r], wv, acc[r][j]); \
+            }                                                                                  \
+        }                                                                                      \
+        if (k8 < k) {                                                                          \
+            __m256 xv[R];                                                                      \
+            for (int r = 0; r < R; r++) {                                                      \
+                float xt[8] = {0};                                                             \
+                memcpy(xt, x + r * k + k8, sizeof(float) * (size_t)(k - k8));                  \
+                xv[r] = _mm256_loadu_ps(xt);                                                   \
+            }                                                                                  \
+            for (int j = 0; j < NB; j++) {                                                     \
+                WT wt[8] = {0};                                                                \
+                memcpy(wt, w + j * k + k8, sizeof(WT) * (size_t)(k - k8));                     \
+                const __m256 wv = LOAD(wt);                                                    \
+                for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(xv[r], wv, acc[r][j]); \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < NB; j++) out[r][j] = hsum8(acc[r][j]);                         \
+    }
+
+#define DEFINE_BLOCKS8(SUF, WT, LOAD)                                                          \
+    DEFINE_BLOCK8(SUF, WT, LOAD, 1, 8) DEFINE_BLOCK8(SUF, WT, LOAD, 2, 4)                      \
+    DEFINE_BLOCK8(SUF, WT, LOAD, 3, 2) DEFINE_BLOCK8(SUF, WT, LOAD, 4, 2)                      \
+    DEFINE_BLOCK8(SUF, WT, LOAD, 1, 1) DEFINE_BLOCK8(SUF, WT, LOAD, 2, 1)                      \
+    DEFINE_BLOCK8(SUF, WT, LOAD, 3, 1) DEFINE_BLOCK8(SUF, WT, LOAD, 4, 1)
+
+/* W rows [n0, n0 + nw) in passes of NB for x rows [r0, r0 + R), scaled and biased. */
+#define PASSES8(SUF, R, NB, nw)                                                                \
+    for (int64_t n0 = nb0; n0 < nb0 + (nw); n0 += NB) {                                       \
+        float o_[R][NB];                                                                       \
+        block_##SUF##_##R##_##NB(x + r0 * k, k, w + n0 * k, o_);                               \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < NB; j++) {                                                     \
+                float s_ = o_[r][j];                                                           \
+                if (scale) s_ *= scale[n0 + j];                                                \
+                if (bias) s_ += bias[n0 + j];                                                  \
+                y[(r0 + r) * n + n0 + j] = s_;                                                 \
+            }                                                                                  \
+    }
+
+/* Blocks of 8 W rows split between threads; each is used for every row of x, up to 4 x rows
+ * a pass, so a step streams W from memory once. */
+#define DEFINE_GEMV8(NAME, SUF, WT)                                                            \
+    void NAME(const float *x, int64_t rows, int64_t k, const WT *w, int64_t n,                \
+              const float *scale, const float *bias, float *y, int threads) {                  \
+        const int64_t nblocks = (n + 7) / 8;                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                       \
+        for (int64_t b = 0; b < nblocks; b++) {                                                \
+            const int64_t nb0 = b * 8, nw = n - nb0 < 8 ? n - nb0 : 8;                          \
+            for (int64_t r0 = 0; r0 < rows; r0 += 4) {                                         \
+                const int64_t rr = rows - r0 < 4 ? rows - r0 : 4;                               \
+                if (nw == 8) {                                                                 \
+                    switch (rr) {                                                              \
+                    case 1: PASSES8(SUF, 1, 8, 8) break;                                       \
+                    case 2: PASSES8(SUF, 2, 4, 8) break;                                       \
+                    case 3: PASSES8(SUF, 3, 2, 8) break;                                       \
+                    default: PASSES8(SUF, 4, 2, 8) break;                                      \
+                    }                                                                          \
+                } else {                                                                       \
+                    switch (rr) {                                                              \
+                    case 1: PASSES8(SUF, 1, 1, nw) break;                                      \
+                    case 2: PASSES8(SUF, 2, 1, nw) break;                                      \
+                    case 3: PASSES8(SUF, 3, 1, nw) break;                                      \
+                    default: PASSES8(SUF, 4, 1, nw) break;                                     \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+DEFINE_BLOCKS8(f32, float, load8_f32)
+DEFINE_BLOCKS8(bf16, uint16_t, load8_bf16)
+DEFINE_BLOCKS8(i8, int8_t, load8_i8)
+
+DEFINE_GEMV8(gemv_f32, f32, float)
+DEFINE_GEMV8(gemv_bf16, bf16, uint16_t)
+DEFINE_GEMV8(gemv_i8, i8, int8_t)
+
+/* int8 weights x int8 activations, the activations rounded per 64-element block exactly as
+ * the AVX-512 kernel rounds them. vpmaddubsw multiplies unsigned by signed bytes into 16-bit
+ * pair sums, so |x| goes in as the unsigned side and w takes x's sign (vpsignb): each pair
+ * is at most 2 * 127 * 127 < 2^15, never saturating, as long as w stays in [-127, 127] (what
+ * quantize_int8 makes). vpmaddwd by ones widens the pairs to 32 bits; the block's integer
+ * dot product is exact, then scaled by the block's activation scale into fp32. */
+static inline __m256i dot64_i8(__m256i ax0, __m256i x0, __m256i ax1, __m256i x1,
+                               const int8_t *w) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i w0 = _mm256_loadu_si256((const __m256i *)w);
+    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax0, _mm256_sign_epi8(w0, x0)), ones);
+    const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax1, _mm256_sign_epi8(w1, x1)), ones);
+    return _mm256_add_epi32(p0, p1);
+}
+
+/* The 64 weights of block b of each of the nn W rows: in place, or (a partial last block)
+ * copied zero-padded, so nothing past a row's end is read. Rows j >= nn repeat row 0 (their
+ * sums are computed and dropped). */
+static inline void q8_weight_block(const int8_t *w, int64_t k, int64_t lo, int64_t nn,
+                                   int8_t pad[4][QB], const int8_t *wb[4]) {
+    for (int j = 0; j < 4; j++) {
+        const int64_t jj = j < nn ? j : 0;
+        if (k - lo >= QB) {
+            wb[j] = w + jj * k + lo;
+        } else {
+            memset(pad[j], 0, QB);
+            memcpy(pad[j], w + jj * k + lo, (size_t)(k - lo));
+            wb[j] = pad[j];
+        }
+    }
+}
+
+#define DEFINE_Q8_BLOCK(R)                                                                     \
+    static inline void q8_block_##R(const int8_t *xq, const float *sx, int64_t nb, int64_t k, \
+                                    const int8_t *w, int64_t nn, float out[R][4]) {            \
+        __m256 acc[R][4];                                                                      \
+        int8_t pad[4][QB];                                                                     \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();                       \
+        for (int64_t b = 0; b < nb; b++) {                                                     \
+            const int8_t *wb[4];                                                               \
+            q8_weight_block(w, k, b * QB, nn, pad, wb);                                        \
+            for (int r = 0; r < R; r++) {                                                      \
+                const int8_t *xb = xq + (r * nb + b) * QB;                                     \
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);                    \
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));             \
+                const __m256i ax0 = _mm256_abs_epi8(x0), ax1 = _mm256_abs_epi8(x1);            \
+                const __m256 s = _mm256_set1_ps(sx[r * nb + b]);                               \
+                for (int j = 0; j < 4; j++) {                                                  \
+                    const __m256i d = dot64_i8(ax0, x0, ax1, x1, wb[j]);                       \
+                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[r][j]);          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < 4; j++) out[r][j] = hsum8(acc[r][j]);                          \
+    }
+
+DEFINE_Q8_BLOCK(1)
+DEFINE_Q8_BLOCK(2)
+DEFINE_Q8_BLOCK(3)
+DEFINE_Q8_BLOCK(4)
+
+void gemv_q8(const float *x, int64_t rows, int64_t k, const int8_t *w, int64_t n,
+             const float *scale, const float *bias, float *y, int threads) {
+    const int64_t nb = (k + QB - 1) / QB;
+    int8_t *xq = malloc((size_t)(rows * nb * QB));
+    float *sx = malloc(sizeof(float) * (size_t)(rows * nb));
+    if (xq && sx) {
+        quantize_rows(x, rows, k, xq, sx, NULL);
+        DOT_PRODUCT_LOOP(q8_block, xq + r0 * nb * QB, (const float *)NULL, sx + r0 * nb, nb, k)
+    }
+    free(xq);
+    free(sx);
+}
+
+/* No bf16 dot-product instruction here: the products of bf16 weights and activations (x holds
+ * bf16 values) are exact in fp32, so the widening kernel computes the same products. */
+void gemv_bf16dp(const float *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n,
+                 const float *scale, const float *bias, float *y, int threads) {
+    gemv_bf16(x, rows, k, w, n, scale, bias, y, threads);
+}
+
+#endif
+
+/* Which implementation this library holds (build.isa() reads it). */
+const char *kvstack_gemv_isa(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return "avx512";
+#else
+    return "avx2";
+#endif
 }

@@ -4,11 +4,12 @@ oneDNN) for prefill-sized inputs.
 
 Weights are held in the activations' dtype, or with `quantization="int8"` weight-only int8,
 symmetric per output channel (w ~= q * scale[out], q in [-127, 127]); activations stay in the
-model dtype, except inside the int8 decode kernel on CPUs with AVX512-VNNI, which quantizes
-each 64-element block of an activation row to int8 (as llama.cpp's Q8 activations do) so a
-dot product of 64 weights is one instruction (bf16 models on AVX512-BF16 likewise multiply
-bf16 by bf16, 32 products an instruction). The C kernels cover fp32, bf16 and int8 weights;
-other dtypes (float64 in tests) always take PyTorch's path.
+model dtype, except inside the int8 decode kernel (`gemv_q8`: on AVX512-VNNI, and on AVX2,
+not on AVX-512 without VNNI), which quantizes each 64-element block of an activation row to
+int8 (as llama.cpp's Q8 activations do) so a dot product of 64 weights is one instruction
+(VNNI) or six (AVX2's vpmaddubsw), not widenings and FMAs per 8-16 weights; bf16 models on
+AVX512-BF16 likewise multiply bf16 by bf16, 32 products an instruction. The C kernels cover
+fp32, bf16 and int8 weights; other dtypes (float64 in tests) always take PyTorch's path.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kvstack.kernels import build
 # weight bytes); above it PyTorch's blocked matmul wins (its cost is FLOPs). Measured here
 # (1 thread, the embedded model's shapes): float weights break even near 16 rows (bf16:
 # oneDNN is ahead by 16); int8 weights stay ahead past 128 rows (52 vs 183 ms at 16 rows,
-# 357 vs 520 ms at 128), as PyTorch must first dequantize them.
+# 357 vs 520 ms at 128), as PyTorch must first dequantize them. On AVX2 (1 thread, the
+# embedded model's layer shapes) both hold: int8 19 vs 39 ms at 128 rows.
 FLOAT_KERNEL_ROWS = 8
 INT8_KERNEL_ROWS = 128
 
@@ -57,8 +59,10 @@ class Linear:
         self.bias32 = bias.float().contiguous() if bias is not None else None  # for the kernels
         lib = build.load() if use_kernels and act_dtype in _GEMV else None
         name = _GEMV.get(self.weight.dtype, "")
-        if name == "gemv_i8" and build.has_vnni():
-            name = "gemv_q8"  # int8 x int8 dot products; see gemv.c
+        if name == "gemv_i8" and (build.has_vnni() or build.isa() == "avx2"):
+            # int8 x int8 dot products; see gemv.c. On AVX2 (vpmaddubsw) measured 1.5x the
+            # widening kernel at 1 row and level with it from 4 to 128 rows.
+            name = "gemv_q8"
         if name == "gemv_bf16" and build.has_bf16_dot():
             name = "gemv_bf16dp"  # bf16 x bf16 dot products (the activations are bf16)
         self._gemv = getattr(lib, name) if lib is not None else None

@@ -3,7 +3,9 @@
 Contract:
 - an entry hits only lookups in its own scope (tenant, model fingerprint, context digest);
 - a hit needs cosine similarity >= `threshold` between the key texts AND no guard reason
-  (`guard.reject_reason`: numbers, entities, negations, opposites, order);
+  (`guard.reject_reason`: numbers, entities, negations, opposites, order; then
+  `swap.SwapGuard`: "swapped_word", one or two content words swapped for words the embedding
+  model does not show to mean the same there);
 - an entry older than `ttl_s` never hits and is dropped; past `max_entries` the least
   recently used entry (stored or hit) is evicted;
 - with a `directory`, entries survive a restart. SQLite is the source of truth (vectors
@@ -27,23 +29,22 @@ from typing import IO
 
 import numpy as np
 
-from kvstack.errors import InvalidRequestError, KvstackError
+from kvstack.errors import KvstackError
+from kvstack.semantic.config import (  # noqa: F401  (re-exported: the cache's settings)
+    DEFAULT_THRESHOLD,
+    DEFAULT_VERIFY_THRESHOLD,
+    MODES,
+    SemanticCacheConfig,
+)
 from kvstack.semantic.embedder import Embedder
 from kvstack.semantic.entry import Answer, Entry, Scope
 from kvstack.semantic.guard import reject_reason
 from kvstack.semantic.index import IndexFileError, VectorIndex
 from kvstack.semantic.store import EntryStore
+from kvstack.semantic.swap import SwapGuard
 
 logger = logging.getLogger("kvstack.semantic")
 
-# Chosen by `kvstack eval semantic`: the lowest threshold from which no labelled near-miss
-# of the tuning set is served (0.84), plus a 0.02 margin (see the sweep it prints).
-DEFAULT_THRESHOLD = 0.86
-# Verify mode serves nothing unchecked (the stored answer is a draft the model verifies), so
-# it may look far wider: a wrong candidate costs one wider prefill. Chosen by `kvstack bench
-# verify` (acceptance over the labelled paraphrases against the cost of rejected drafts).
-DEFAULT_VERIFY_THRESHOLD = 0.75
-MODES = ("trust", "verify")
 FORMAT_VERSION = 1
 DB_FILE = "entries.sqlite"
 INDEX_FILE = "index.faiss"
@@ -51,38 +52,6 @@ INDEX_FILE = "index.faiss"
 
 class SemanticCacheError(KvstackError):
     """The semantic cache cannot start (e.g. its directory is in use)."""
-
-
-@dataclass(frozen=True)
-class SemanticCacheConfig:
-    # "trust": a hit is served as stored (APPROXIMATE: a wrong hit serves a wrong answer);
-    # "verify": a hit's answer is a draft the model verifies, so the output is always the
-    # model's own (exact), and a right hit costs one prefill instead of a decode per token.
-    mode: str = "trust"
-    threshold: float | None = None  # cosine similarity a hit needs; None: the mode's default
-    directory: Path | None = None  # None: in memory only
-    ttl_s: float | None = 86_400.0  # None: entries never expire
-    max_entries: int = 10_000
-    top_k: int = 4  # candidates over the threshold the guard may look at
-    save_every: int = 64  # rewrite the index file after this many changes (and on close)
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise InvalidRequestError(f"semantic cache mode must be one of {', '.join(MODES)}, "
-                                      f"got {self.mode!r}")
-        if self.threshold is None:
-            default = DEFAULT_THRESHOLD if self.mode == "trust" else DEFAULT_VERIFY_THRESHOLD
-            object.__setattr__(self, "threshold", default)
-        if not 0 < self.threshold <= 1:
-            raise InvalidRequestError(f"semantic threshold must be in (0, 1], got "
-                                      f"{self.threshold}")
-        if self.ttl_s is not None and not self.ttl_s > 0:
-            raise InvalidRequestError(f"semantic TTL must be > 0 seconds, got {self.ttl_s}")
-        if self.max_entries < 1:
-            raise InvalidRequestError(f"semantic max entries must be >= 1, got "
-                                      f"{self.max_entries}")
-        if self.top_k < 1 or self.save_every < 1:
-            raise InvalidRequestError("semantic top_k and save_every must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -103,6 +72,8 @@ class SemanticCacheStats:
     lookups: int = 0
     hits: int = 0
     guard_rejections: int = 0  # candidates over the threshold the guard turned away
+    swap_checks: int = 0  # candidates the swap guard embedded (they differ by a swap)
+    swap_seconds: float = 0.0  # time those checks took
     stores: int = 0
     evictions: int = 0
     expirations: int = 0
@@ -121,6 +92,8 @@ class SemanticCache:
         self.config = config or SemanticCacheConfig()
         self.clock = clock
         self.stats = SemanticCacheStats()
+        self._swap_guard = None if self.config.swap_similarity is None else \
+            SwapGuard(embedder, self.config.swap_similarity)
         self._lock = threading.RLock()
         self._entries: dict[int, Entry] = {}  # in creation order: the TTL sweep's order
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -153,24 +126,30 @@ class SemanticCache:
         if vector is None:
             vector = self.embed(text)
         with self._lock:
-            now = self.clock()
-            self._expire(now)
+            self._expire(self.clock())
             self.stats.lookups += 1
             candidates = self._index.search(vector, self._by_scope.get(scope.key, ()),
                                             self.config.top_k)
-            rejections: list[str] = []
-            hit = None
-            for entry_id, similarity in candidates:
-                if similarity < self.threshold:
-                    break
-                entry = self._entries[entry_id]
-                reason = reject_reason(text, entry.text)
-                if reason is None:
-                    hit = entry
-                    break
-                rejections.append(reason)
+            over = [(self._entries[i], self._index.vector(i)) for i, similarity in candidates
+                    if similarity >= self.threshold]
+        # The guards run unlocked: the swap guard may call the embedder.
+        rejections: list[str] = []
+        hit = None
+        swap_times: list[float] = []
+        for entry, entry_vector in over:
+            reason = self._reject_reason(text, vector, entry, entry_vector, swap_times)
+            if reason is None:
+                hit = entry
+                break
+            rejections.append(reason)
+        with self._lock:
             self.stats.guard_rejections += len(rejections)
+            self.stats.swap_checks += len(swap_times)
+            self.stats.swap_seconds += sum(swap_times)
+            if hit is not None and self._entries.get(hit.id) is not hit:
+                hit = None  # expired, evicted or invalidated meanwhile: a miss
             if hit is not None:
+                now = self.clock()
                 self.stats.hits += 1
                 hit.last_used = now
                 self._lru.move_to_end(hit.id)
@@ -178,6 +157,19 @@ class SemanticCache:
                     self._db.touch(hit.id, now)
         best = candidates[0][1] if candidates else None
         return Lookup(hit, vector, best, tuple(rejections), time.perf_counter() - start)
+
+    def _reject_reason(self, text: str, vector: np.ndarray, entry: Entry,
+                       entry_vector: np.ndarray, swap_times: list[float]) -> str | None:
+        """Why `entry` must not answer `text`: the lexical guard's reason, else the swap
+        guard's, else None. A swap check's duration is appended to `swap_times`."""
+        reason = reject_reason(text, entry.text)
+        if reason is None and self._swap_guard is not None:
+            start = time.perf_counter()
+            found = self._swap_guard.check(text, entry.text, vector, entry_vector)
+            if found is not None:
+                reason = self._swap_guard.verdict(found)
+                swap_times.append(time.perf_counter() - start)
+        return reason
 
     def store(self, scope: Scope, text: str, answer: Answer,
               vector: np.ndarray | None = None) -> Entry:

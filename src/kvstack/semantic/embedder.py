@@ -67,7 +67,14 @@ class MiniLMEmbedder:
         self._model = SentenceTransformer(str(path or minilm_path()), device=device,
                                           local_files_only=True)
         self.dim = _dimension(self._model)
+        self._tokenizer = self._model.tokenizer
+        self.mask_token: str | None = getattr(self._tokenizer, "mask_token", None)
         self._lock = threading.Lock()  # one forward at a time: requests share the model
+
+    def num_pieces(self, word: str) -> int:
+        """How many tokenizer pieces `word` is (the swap guard masks each one)."""
+        with self._lock:  # a fast tokenizer must not be used by two threads at once
+            return max(1, len(self._tokenizer.tokenize(word)))
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         with self._lock:

@@ -27,11 +27,10 @@ from kvstack.bench.common import (
     CaseResult,
     Subject,
     distinct_prompts,
-    per_second,
     progress,
-    ratio,
     supports_quantization,
 )
+from kvstack.bench.format import per_second, ratio
 from kvstack.bench.peers import display, llamacpp
 from kvstack.bench.peers.display import PEERS, WORKLOADS, rate
 from kvstack.bench.peers.runners import LlamaCppRunner, OursRunner, Runner, TransformersRunner

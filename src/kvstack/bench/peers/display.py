@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstack.bench.common import BenchOptions, TableRow, fmt, fmt_x, save_figure
+from kvstack.bench.common import BenchOptions, TableRow
+from kvstack.bench.format import fmt, fmt_x
 from kvstack.bench.peers.workloads import Workloads
+from kvstack.bench.plots import save_figure
 
 WORKLOADS = ("decode", "prefill", "batch")
 PEERS = ("transformers", "llamacpp")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,6 +52,16 @@ class TierStats:
         """Load bandwidth: payload bytes over time spent loading and checking them."""
         return self.bytes_loaded / self.load_seconds if self.load_seconds else None
 
+    def __getstate__(self) -> dict[str, object]:
+        # Counters travel between processes (a cluster replica's stats); a lock cannot.
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def snapshot(self) -> TierStats:
         with self._lock:
             return TierStats(self.name, self.hits, self.misses, self.stores, self.bytes_loaded,
@@ -85,6 +95,18 @@ class KVTier(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook; most tiers hold nothing to release
         """Release connections or handles."""
 
+    def count_run(self, held: Iterable[bool], num_asked: int) -> int:
+        """How many leading blocks are held (a lookup's answer); a run shorter than asked
+        counts one miss."""
+        num = 0
+        for present in held:
+            if not present:
+                break
+            num += 1
+        if num < num_asked:
+            self.stats.add(misses=1)
+        return num
+
 
 class BlockTiers(Protocol):
     """What the KV manager sees of the tiers: block ids and hashes, never tensors."""
@@ -101,4 +123,9 @@ class BlockTiers(Protocol):
     def offload(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
         """Write these newly complete (block id, hash) blocks through to the tiers, off the
         step thread; never blocks (a full queue drops and counts)."""
+        ...
+
+    def presence(self, hashes: Sequence[BlockHash]) -> list[tuple[str, ...]]:
+        """For each hash, the tiers known to hold it (names), from what this process wrote
+        and loaded: no tier is asked, so it is cheap enough for a view refreshed each second."""
         ...

@@ -129,16 +129,10 @@ class DiskTier(KVTier):
         return True
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
-        num = 0
         with self._lock:
-            for block_hash in hashes:
-                key = block_hash.hex()
-                if key not in self._index and not self._adopt(key):
-                    break
-                num += 1
-        if num < len(hashes):
-            self.stats.add(misses=1)
-        return num
+            keys = (block_hash.hex() for block_hash in hashes)
+            return self.count_run((k in self._index or self._adopt(k) for k in keys),
+                                  len(hashes))
 
     def load(self, hashes: Sequence[BlockHash]) -> list[bytes]:
         out = []

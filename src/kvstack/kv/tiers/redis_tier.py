@@ -95,14 +95,7 @@ class RedisTier(KVTier):
             return pipe.execute()
 
         found = self._call(exists) if hashes else []
-        num = 0
-        for held in found or []:
-            if not held:
-                break
-            num += 1
-        if num < len(hashes):
-            self.stats.add(misses=1)
-        return num
+        return self.count_run((bool(held) for held in found or []), len(hashes))
 
     def load(self, hashes: Sequence[BlockHash]) -> list[bytes]:
         out: list[bytes] = []
