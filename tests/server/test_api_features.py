@@ -34,7 +34,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather",
                                                "city": {"type": "string"}}}}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer"}},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"], "additionalProperties": False}
 
 

@@ -61,6 +61,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        "(default: wait for all)")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"))
+    _add_semantic_args(parser)
+    _add_cluster_args(parser)
+    _add_ui_args(parser)
+    add_model_args(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _add_semantic_args(parser: argparse.ArgumentParser) -> None:
     semantic = parser.add_argument_group(
         "semantic cache", "answer repeated questions (by meaning) without running the model; "
         "greedy requests only unless a request sends \"semantic_cache\": true")
@@ -83,11 +92,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     semantic.add_argument("--semantic-max-entries", type=positive_int, default=None,
                           metavar="N", help="entries kept; the least recently used go first "
                           "(default: 10000)")
-    _add_cluster_args(parser)
-    _add_ui_args(parser)
-    add_model_args(parser)
-    parser.set_defaults(run=run)
-    return parser
 
 
 ROUTERS = ("cache-aware", "round-robin", "pow2")
