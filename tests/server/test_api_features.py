@@ -33,8 +33,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather",
                                            "parameters": {"type": "object", "properties": {
                                                "city": {"type": "string"}}}}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+AGE = {"type": "integer", "minimum": 0, "maximum": 150}
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+                                           "age": AGE},
           "required": ["name", "age"], "additionalProperties": False}
 
 
