@@ -19,13 +19,10 @@ from kvstack.bench.common import (
     Subject,
     TableRow,
     distinct_prompts,
-    fmt,
-    fmt_x,
-    new_figure,
     progress,
-    ratio,
-    save_figure,
 )
+from kvstack.bench.format import fmt, fmt_x, ratio
+from kvstack.bench.plots import new_figure, save_figure
 from kvstack.engine.llm import LLM
 from kvstack.sampling_params import SamplingParams
 from kvstack.units import format_bytes

@@ -18,12 +18,10 @@ from kvstack.bench.common import (
     CaseResult,
     Subject,
     TableRow,
-    fmt,
-    median,
-    new_figure,
     progress,
-    save_figure,
 )
+from kvstack.bench.format import fmt, median
+from kvstack.bench.plots import new_figure, save_figure
 from kvstack.engine.llm import LLM
 from kvstack.sampling_params import SamplingParams, StructuredOutputsParams
 
