@@ -33,7 +33,8 @@ class LLM:
     weights as int8 with per-channel scales (activations stay in `dtype`); `quantization="gguf"`
     (GGUF files only) runs the file's own quantized blocks as they are, decode-sized products
     with activations rounded to int8 per 32-value block (approximate; see README).
-    `kernels="torch"` turns off the C decode kernels (the reference path).
+    `kernels="torch"` turns off the C decode kernels (the reference path). `max_parallel_samples`
+    caps a request's n (best_of); its samples share the prompt's KV blocks (`engine/parallel.py`).
 
     `kv_cache_dtype` stores K/V as "auto" (the model dtype), "float32", "bfloat16", "float16",
     "int8", "fp8" (e4m3) or "int4" (KIVI-style), quantized on write and dequantized on read.
@@ -54,6 +55,7 @@ class LLM:
         max_pinned_fraction: float = 0.5,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
+        max_parallel_samples: int = 16,
         num_threads: int | None = None,
         skip_tokenizer_init: bool = False,
         kv_disk_dir: str | os.PathLike[str] | None = None,
@@ -84,7 +86,8 @@ class LLM:
                 kv_sink_tokens=kv_sink_tokens,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                max_parallel_samples=max_parallel_samples,
             ),
             num_threads=num_threads,
             skip_tokenizer_init=skip_tokenizer_init,
