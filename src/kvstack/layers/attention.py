@@ -47,22 +47,30 @@ def paged_attention(
     v: torch.Tensor,
     meta: AttentionMetadata,
     kv_storage: KVCacheStorage | None,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D], k/v: [T, H_kv, D] for the step's new tokens -> out [T, H, D]."""
+    """q: [T, H, D], k/v: [T, H_kv, D] for the step's new tokens -> out [T, H, D].
+
+    `window`: the layer's own sliding window (a query sees its `window` most recent positions,
+    itself included; exact, as the model was trained); `scale`: the score scale (default
+    head_dim ** -0.5). Either one sends decodes through PyTorch rather than the C kernel.
+    """
     if (kv_storage is not None and meta.slot_mapping is not None
             and not _store_kernel(layer, k, v, meta, kv_storage)):
         kv_storage.write(layer, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     if meta.window is not None:
-        assert kv_storage is not None
+        assert kv_storage is not None and window is None and scale is None
         for window_span in meta.window:
             window_attention(layer, q, out, window_span, kv_storage)
         return out
     if kv_storage is not None and kv_storage.basis is not None:
         # K/V come back in the storage's orthonormal basis: meet them there (every span
         # reads them back, the cache being lossy), then turn the output back.
-        return _attend(layer, q @ kv_storage.basis, k, v, meta, kv_storage) @ kv_storage.basis.T
-    return _attend(layer, q, k, v, meta, kv_storage)
+        return _attend(layer, q @ kv_storage.basis, k, v, meta, kv_storage, window,
+                       scale) @ kv_storage.basis.T
+    return _attend(layer, q, k, v, meta, kv_storage, window, scale)
 
 
 def _attend(
@@ -72,38 +80,68 @@ def _attend(
     v: torch.Tensor,
     meta: AttentionMetadata,
     kv_storage: KVCacheStorage | None,
+    window: int | None,
+    scale: float | None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         assert kv_storage is not None
-        if not _decode_kernel(layer, q, out, meta, kv_storage):
+        plain = window is None and scale is None
+        if not (plain and _decode_kernel(layer, q, out, meta, kv_storage)):
             kd, vd = kv_storage.read(layer, meta.decode_slots)  # [B, S, H_kv, D]
             qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
             od = F.scaled_dot_product_attention(
-                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
-                enable_gqa=True,
+                qd, kd.transpose(1, 2), vd.transpose(1, 2),
+                attn_mask=_decode_window_mask(meta, window), scale=scale, enable_gqa=True,
             )
             out[meta.decode_rows] = od.squeeze(2)
     for span in meta.prefills:
         # 4-D [1, H, q, D] inputs: 3-D ones miss SDPA's fused CPU kernel (5x slower).
         qs = q[span.start : span.end].transpose(0, 1)[None]
+        num_q = span.end - span.start
         if span.slots is None:
             ks = k[span.start : span.end].transpose(0, 1)[None]
             vs = v[span.start : span.end].transpose(0, 1)[None]
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            if window is None or num_q <= window:
+                os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                     enable_gqa=True)
+            else:
+                os_ = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=_prefill_mask(num_q, num_q, window), scale=scale,
+                    enable_gqa=True)
         else:
             assert kv_storage is not None
             kc, vc = kv_storage.read(layer, span.slots)
-            num_q = span.end - span.start
-            # query i sits at position context_len - num_q + i and sees keys up to there
-            q_pos = torch.arange(span.context_len - num_q, span.context_len)
-            mask = torch.arange(span.context_len)[None, :] <= q_pos[:, None]
             os_ = F.scaled_dot_product_attention(
-                qs, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], attn_mask=mask,
+                qs, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
+                attn_mask=_prefill_mask(num_q, span.context_len, window), scale=scale,
                 enable_gqa=True,
             )
         out[span.start : span.end] = os_[0].transpose(0, 1)
     return out
+
+
+def _prefill_mask(num_q: int, context_len: int, window: int | None) -> torch.Tensor:
+    """[num_q, context_len] True where a query sees a key: query i sits at position
+    context_len - num_q + i and sees keys up to there (and, with a window, after
+    position - window)."""
+    q_pos = torch.arange(context_len - num_q, context_len)[:, None]
+    k_pos = torch.arange(context_len)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def _decode_window_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor | None:
+    """The decode rows' mask, narrowed to each row's window (decode slots are in position
+    order from 0, so a key's index is its position and the query sits at decode_lens - 1)."""
+    if window is None:
+        return meta.decode_mask
+    assert meta.decode_mask is not None and meta.decode_lens is not None
+    k_pos = torch.arange(meta.decode_mask.shape[-1])[None, :]
+    recent = k_pos > (meta.decode_lens[:, None] - 1 - window)
+    return meta.decode_mask & recent[:, None, None, :]
 
 
 def _store_kernel(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
