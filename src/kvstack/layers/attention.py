@@ -88,11 +88,12 @@ def _attend(
         assert kv_storage is not None
         plain = window is None and scale is None
         if not (plain and _decode_kernel(layer, q, out, meta, kv_storage)):
-            kd, vd = kv_storage.read(layer, meta.decode_slots)  # [B, S, H_kv, D]
+            slots, mask = _decode_window(meta, window)
+            kd, vd = kv_storage.read(layer, slots)  # [B, S, H_kv, D]
             qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
             od = F.scaled_dot_product_attention(
-                qd, kd.transpose(1, 2), vd.transpose(1, 2),
-                attn_mask=_decode_window_mask(meta, window), scale=scale, enable_gqa=True,
+                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=scale,
+                enable_gqa=True,
             )
             out[meta.decode_rows] = od.squeeze(2)
     for span in meta.prefills:
@@ -111,11 +112,13 @@ def _attend(
                     enable_gqa=True)
         else:
             assert kv_storage is not None
-            kc, vc = kv_storage.read(layer, span.slots)
+            # A window layer reads only the keys its first query can still see.
+            first = 0 if window is None else max(0, span.context_len - num_q - window + 1)
+            kc, vc = kv_storage.read(layer, span.slots[first:])
             os_ = F.scaled_dot_product_attention(
                 qs, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
-                attn_mask=_prefill_mask(num_q, span.context_len, window), scale=scale,
-                enable_gqa=True,
+                attn_mask=_prefill_mask(num_q, span.context_len, window)[:, first:],
+                scale=scale, enable_gqa=True,
             )
         out[span.start : span.end] = os_[0].transpose(0, 1)
     return out
@@ -133,15 +136,20 @@ def _prefill_mask(num_q: int, context_len: int, window: int | None) -> torch.Ten
     return mask
 
 
-def _decode_window_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor | None:
-    """The decode rows' mask, narrowed to each row's window (decode slots are in position
-    order from 0, so a key's index is its position and the query sits at decode_lens - 1)."""
+def _decode_window(meta: AttentionMetadata, window: int | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decode rows' slots and mask, narrowed to each row's window: columns no row can see
+    are not read at all (decode slots are in position order from 0, so a key's column is its
+    position, and a row's query sits at decode_lens - 1)."""
+    assert meta.decode_slots is not None
     if window is None:
-        return meta.decode_mask
+        return meta.decode_slots, meta.decode_mask
     assert meta.decode_mask is not None and meta.decode_lens is not None
-    k_pos = torch.arange(meta.decode_mask.shape[-1])[None, :]
+    first = max(0, int(meta.decode_lens.min()) - window)
+    k_pos = torch.arange(first, meta.decode_mask.shape[-1])[None, :]
     recent = k_pos > (meta.decode_lens[:, None] - 1 - window)
-    return meta.decode_mask & recent[:, None, None, :]
+    return (meta.decode_slots[:, first:],
+            meta.decode_mask[..., first:] & recent[:, None, None, :])
 
 
 def _store_kernel(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
