@@ -47,7 +47,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     shape.add_argument("--heads", type=positive_int, metavar="N",
                        help="query heads, to report the GQA/MQA saving (optional)")
     parser.add_argument("--model", metavar="NAME",
-                        help="read the shape from this model's config (e.g. smollm2-135m)")
+                        help="read the shape from this model's config (e.g. gemma3-270m)")
     parser.add_argument("--kv-cache-dtype", "--dtype", dest="kv_dtype", default="auto",
                         choices=KV_CACHE_DTYPES,
                         help="KV element type; auto is --model-dtype")
