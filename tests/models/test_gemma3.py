@@ -90,16 +90,18 @@ def test_unimplemented_gemma_options_are_refused(tiny_dir: Path, key: str, value
         gemma3_config(hf, Path("config.json"))
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("max_num_batched_tokens", [2048, 7], ids=["whole", "chunked"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_engine_logits_match_transformers(
-    tiny_dir: Path, variant: str, max_num_batched_tokens: int
+    tiny_dir: Path, variant: str, max_num_batched_tokens: int, kernels: str
 ) -> None:
     """Prefills of 5x, 2x and under the window, then one-token decodes, all batched; a budget
-    of 7 tokens cuts prefills into chunks that end mid-block and mid-window."""
+    of 7 tokens cuts prefills into chunks that end mid-block and mid-window. Decode rows take
+    the C decode-attention kernel (kernels=auto) or SDPA (torch)."""
     folder = tiny_folder(tiny_dir, variant)
     seqs, num_prompt = sequences([60, 30, 12]), [40, 17, 5]
-    llm = tiny_llm(folder, max_num_batched_tokens=max_num_batched_tokens)
+    llm = tiny_llm(folder, max_num_batched_tokens=max_num_batched_tokens, kernels=kernels)
     ours = teacher_forced_logits(llm.engine, seqs, num_prompt)
     assert_logits_close(ours, reference_logits(hf_model(folder), seqs), num_prompt, ATOL, ATOL)
 

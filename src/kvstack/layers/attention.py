@@ -10,7 +10,7 @@ query attends to exactly what later steps will read. Window mode has its own pat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,8 @@ class AttentionMetadata:
     window: list[WindowSpan] | None = None  # window mode: every query goes through these
     decode_lens: torch.Tensor | None = None  # [B_d] real keys per decode row (int64)
     use_kernels: bool = False  # the C decode kernel may run (False: PyTorch ops only)
+    # window -> (decode slots, lens) narrowed to it, filled on first use within the step
+    window_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def paged_attention(
@@ -86,8 +88,7 @@ def _attend(
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         assert kv_storage is not None
-        plain = window is None and scale is None
-        if not (plain and _decode_kernel(layer, q, out, meta, kv_storage)):
+        if not _decode_kernel(layer, q, out, meta, kv_storage, window, scale):
             slots, mask = _decode_window(meta, window)
             kd, vd = kv_storage.read(layer, slots)  # [B, S, H_kv, D]
             qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
@@ -168,9 +169,11 @@ def _store_kernel(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionM
 
 
 def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
-                   kv_storage: KVCacheStorage) -> bool:
+                   kv_storage: KVCacheStorage, window: int | None = None,
+                   scale: float | None = None) -> bool:
     """Decode rows through the C kernel, reading K/V slots in place (no gathered copy of the
-    context per step); False where it does not apply (lossy storage, kernels off)."""
+    context per step); a window layer gets each row's last `window` slots. False where it
+    does not apply (lossy storage, kernels off)."""
     tensors = kv_storage.layer_tensors(layer)
     if (not meta.use_kernels or meta.decode_lens is None or tensors is None
             or not kernel_ops.available(q.dtype)):
@@ -181,10 +184,29 @@ def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: Attenti
     rows = meta.decode_rows
     only_decodes = not meta.prefills and rows.numel() == q.shape[0]
     qd = q if only_decodes else q[rows]
-    od = kernel_ops.decode_attention(qd.contiguous(), k_cache, v_cache, meta.decode_slots,
-                                     meta.decode_lens, q.shape[-1] ** -0.5)
+    slots, lens = meta.decode_slots, meta.decode_lens
+    if window is not None:
+        slots, lens = _window_slots(meta, window)
+    od = kernel_ops.decode_attention(qd.contiguous(), k_cache, v_cache, slots, lens,
+                                     q.shape[-1] ** -0.5 if scale is None else scale)
     if only_decodes:
         out.copy_(od)
     else:
         out[rows] = od
     return True
+
+
+def _window_slots(meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode row's last `window` slots, left-aligned, and their counts: built once per
+    step and window (every sliding layer of the step shares them)."""
+    cached = meta.window_slots.get(window)
+    if cached is None:
+        assert meta.decode_slots is not None and meta.decode_lens is not None
+        lens = meta.decode_lens.clamp(max=window)
+        first = meta.decode_lens - lens
+        width = max(int(lens.max()), 1)
+        index = (first[:, None] + torch.arange(width)[None, :]).clamp(
+            max=meta.decode_slots.shape[1] - 1)
+        cached = meta.window_slots[window] = (
+            meta.decode_slots.gather(1, index).contiguous(), lens.contiguous())
+    return cached

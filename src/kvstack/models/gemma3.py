@@ -1,10 +1,12 @@
 """Gemma 3 text decoder over the paged KV cache (config mapping in `gemma3_config.py`).
 
-Runs PyTorch's ops for everything but the linear layers: attention goes through
+Norms, QK-norm, RoPE and GELU run in PyTorch's ops. Attention goes through
 `layers/attention.py` with each layer's own window (sliding layers: the 512 most recent
-positions, exact as trained) and Gemma's score scale, which the C decode-attention kernel and
-the one-call decode step do not take; the linear layers use the C gemv kernels for
-decode-sized products when `use_kernels` (as Llama's do), PyTorch's matmul otherwise.
+positions, exact as trained) and Gemma's score scale: decode rows take the C decode-attention
+kernel when `use_kernels` (a window layer reads each row's last 512 slots), everything else
+SDPA. The linear layers use the C gemv kernels for decode-sized products when `use_kernels`
+(as Llama's do), PyTorch's matmul otherwise. Llama's one-call decode step (all layers in C)
+is not used: its norms and activation are Llama's.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ class Gemma3ForCausalLM:
         self.quantization = quantization
         self.use_kernels = use_kernels  # for the linear layers only (see the module's doc)
         self.windows = config.layer_windows()
+        # None where it is SDPA's default (the 270M: 256 ** -0.5), so that path stays the same.
+        self.attn_scale = (None if config.query_pre_attn_scalar == config.head_dim
+                           else config.attn_scale)
         self.inv_freq = {t: inv_frequencies(config.head_dim, *config.rope(t))
                          for t in (SLIDING, FULL)}
         # sqrt(hidden) rounded to the model dtype first, as transformers does.
@@ -175,7 +180,7 @@ class Gemma3ForCausalLM:
         k = gemma_rms_norm(k.reshape(num_t, c.num_kv_heads, d), layer.k_norm, c.rms_norm_eps)
         q, k = _rotate(q, *cos_sin), _rotate(k, *cos_sin)
         out = paged_attention(i, q, k, v.reshape(num_t, c.num_kv_heads, d), meta, kv_storage,
-                              window=self.windows[i], scale=c.attn_scale)
+                              window=self.windows[i], scale=self.attn_scale)
         return out.reshape(num_t, c.num_heads * d)
 
     @torch.inference_mode()
