@@ -29,10 +29,28 @@ def check_tensor_types(infos: dict[str, gguf.ReaderTensor], path: Path) -> None:
             )
 
 
+class _Reader(gguf.GGUFReader):
+    """GGUFReader reading through a plain ndarray view of its memory map: slicing a
+    np.memmap costs microseconds of subclass bookkeeping per slice, and a 262k-token
+    vocabulary is ~800k slices (Gemma 3 270M: parsed in 48 s instead of 171 s on a busy
+    machine, the same fields and tensors)."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1,
+             override_order: Any = None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        itemsize = int(np.empty([], dtype=dtype).itemsize)
+        arr = plain[offset:offset + itemsize * count].view(dtype=dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
+
+
 def open_gguf(path: Path) -> gguf.GGUFReader:
     """A GGUF reader; ModelLoadError when the bytes are not a readable GGUF."""
     try:
-        return gguf.GGUFReader(path)
+        return _Reader(path)
     except Exception as err:  # the reader raises bare ValueError/IndexError/... on bad bytes
         raise ModelLoadError(
             f"cannot read {path} as GGUF ({one_line(err)}); "
