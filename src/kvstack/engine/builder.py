@@ -109,5 +109,5 @@ def _build_kv(parts: EngineParts, config: EngineConfig) -> None:
     parts.kv_manager = KVCacheManager(
         num_blocks, cache.block_size, cache.enable_prefix_caching and parts.window is None,
         parts.fingerprint, int(num_blocks * cache.max_pinned_fraction), parts.kv_tiers,
-        parts.window, storage.release,
+        parts.window, storage.release, storage.copy_block,
     )

@@ -31,7 +31,8 @@ class LLM:
 
     `dtype` is the activations' and weights' dtype; `quantization="int8"` holds the linear
     weights as int8 with per-channel scales (activations stay in `dtype`). `kernels="torch"`
-    turns off the C decode kernels (the reference path).
+    turns off the C decode kernels (the reference path). `max_parallel_samples` caps a
+    request's n (best_of); its samples share the prompt's KV blocks (`engine/parallel.py`).
 
     `kv_cache_dtype` stores K/V as "auto" (the model dtype), "float32", "bfloat16", "float16",
     "int8", "fp8" (e4m3) or "int4" (KIVI-style), quantized on write and dequantized on read.
@@ -52,6 +53,7 @@ class LLM:
         max_pinned_fraction: float = 0.5,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
+        max_parallel_samples: int = 16,
         num_threads: int | None = None,
         skip_tokenizer_init: bool = False,
         kv_disk_dir: str | os.PathLike[str] | None = None,
@@ -82,7 +84,8 @@ class LLM:
                 kv_sink_tokens=kv_sink_tokens,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                max_parallel_samples=max_parallel_samples,
             ),
             num_threads=num_threads,
             skip_tokenizer_init=skip_tokenizer_init,
