@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from helpers.logits import teacher_forced_logits
+from helpers.exactness import teacher_forced_logits
 from helpers.tiny_models import make_tiny_hf_folder, write_tiny_gguf
 
 from kvstack import LLM, SamplingParams

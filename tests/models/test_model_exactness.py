@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from helpers.logits import teacher_forced_logits
+from helpers.exactness import assert_logits_close, reference_logits, teacher_forced_logits
 from helpers.tiny_models import VARIANTS, make_tiny_hf_folder, write_tiny_gguf
 from transformers import AutoModelForCausalLM
 
@@ -42,27 +42,6 @@ TINY_ATOL = 1e-4  # tiny models' logits are ~4; measured 5e-6
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def reference_logits(hf: Any, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """transformers' logits over each whole sequence in one forward, as float64."""
-    with torch.no_grad():
-        return [hf(torch.tensor([list(s)])).logits[0].double() for s in sequences]
-
-
-def assert_logits_close(
-    ours: list[torch.Tensor],
-    want: list[torch.Tensor],
-    num_prompt_tokens: Sequence[int],
-    prefill_atol: float,
-    decode_atol: float,
-) -> None:
-    for got, ref, n in zip(ours, want, num_prompt_tokens, strict=True):
-        assert got.shape == ref.shape
-        prefill = (got[:n] - ref[:n]).abs().max().item()
-        decode = (got[n:] - ref[n:]).abs().max().item()
-        assert prefill <= prefill_atol, f"prefill rows of a {len(got)}-token sequence: {prefill}"
-        assert decode <= decode_atol, f"decode rows of a {len(got)}-token sequence: {decode}"
 
 
 # -- the embedded model ------------------------------------------------------------------------

@@ -41,12 +41,20 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     ckpt = load_checkpoint(config.model, config.quantization)
+    family = family_of(ckpt.config.architecture)
+    cache = config.cache
+    if cache.kv_window is not None and any(w is not None for w in ckpt.config.layer_windows()):
+        raise InvalidRequestError(
+            f"kv_window (approximate window mode) is not supported for {family.name} models, "
+            "whose sliding-window layers are exact already; leave kv_window unset"
+        )
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(ckpt)
-    model = family_of(ckpt.config.architecture).create(
+    if tokenizer is not None and not tokenizer.chat_template and family.chat_template:
+        tokenizer.chat_template = family.chat_template  # the file carries none (Gemma 3 GGUFs)
+    model = family.create(
         ckpt.config, torch_dtype(config.dtype), config.quantization, config.kernels == "auto"
     )
     model.load_weights(ckpt.tensors, ckpt.blocks)
-    cache = config.cache
     kv_cache_dtype = resolve(cache.kv_cache_dtype, config.dtype)
     window = (SlidingWindow(cache.kv_window, cache.kv_sink_tokens, cache.block_size)
               if cache.kv_window is not None else None)

@@ -10,7 +10,8 @@ from kvstack.weights.safetensors_loader import load_safetensors
 
 
 def load_checkpoint(model: str, quantization: str | None = None) -> Checkpoint:
-    """Load `smollm2-135m`, a .gguf file, or a Hugging Face folder (config.json + safetensors).
+    """Load `smollm2-135m`, `gemma3-270m`, a .gguf file, or a Hugging Face folder
+    (config.json + safetensors).
 
     quantization="gguf" keeps a GGUF file's quantized linear weights as blocks
     (`Checkpoint.blocks`); other models refuse it. Other values load as without it (int8 is

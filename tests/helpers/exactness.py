@@ -1,4 +1,5 @@
-"""Logits taken from inside an engine, every position of known sequences (teacher forcing)."""
+"""Logits from inside the engine (its scheduler plans the steps, its runner builds the inputs,
+its model runs over its KV storage), the reference's, and their comparison."""
 
 from __future__ import annotations
 
@@ -57,3 +58,24 @@ def teacher_forced_logits(
         assert sorted(r) == list(range(len(seq)))
         out.append(torch.stack([r[p] for p in range(len(seq))]))
     return out
+
+
+def reference_logits(hf: Any, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """transformers' logits over each whole sequence in one forward, as float64."""
+    with torch.no_grad():
+        return [hf(torch.tensor([list(s)])).logits[0].double() for s in sequences]
+
+
+def assert_logits_close(
+    ours: list[torch.Tensor],
+    want: list[torch.Tensor],
+    num_prompt_tokens: Sequence[int],
+    prefill_atol: float,
+    decode_atol: float,
+) -> None:
+    for got, ref, n in zip(ours, want, num_prompt_tokens, strict=True):
+        assert got.shape == ref.shape
+        prefill = (got[:n] - ref[:n]).abs().max().item()
+        decode = (got[n:] - ref[n:]).abs().max().item()
+        assert prefill <= prefill_atol, f"prefill rows of a {len(got)}-token sequence: {prefill}"
+        assert decode <= decode_atol, f"decode rows of a {len(got)}-token sequence: {decode}"
