@@ -56,6 +56,19 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 
 
+@dataclass(frozen=True)
+class BlendUsage:
+    """What a blended request reused (`blend/`). Exact prefix-cache hits are counted in
+    `num_cached_tokens`, not here."""
+
+    chunks_hit: int  # chunks past the exact prefix found in the chunk cache
+    chunks_missed: int  # chunks past the exact prefix computed in context (and cached later)
+    reused_tokens: int  # prompt tokens whose K/V were placed from chunk entries
+    recomputed_tokens: int  # of those, the ones recomputed in context through every layer
+    # Prompt token-layers computed, over full prefill's (tokens x layers): linear-layer work.
+    compute: float
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -70,3 +83,5 @@ class RequestOutput:
     # Draft tokens verified for this request (fed to the model) and how many were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # A blended request's chunk reuse (None: not blended, or nothing was placed).
+    blend: BlendUsage | None = None

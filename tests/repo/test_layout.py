@@ -29,6 +29,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in
     "layers drafts",
     "models",
     "weights",
+    "blend",
     "engine",
     "eval server bench cluster",
     "cli",

@@ -8,6 +8,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from kvstack.blend.blender import blend_state
+from kvstack.blend.params import BlendSpec
 from kvstack.config import EngineConfig
 from kvstack.drafts.prompt_lookup import propose_drafts
 from kvstack.drafts.verify import next_window, remaining_draft
@@ -52,7 +54,9 @@ class LLMEngine:
         )
         self.eos_token_ids = self._eos_ids()
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), self.window)
+        self.blender = parts.blender  # chunk cache and blended steps (`blend/`)
+        self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), self.window,
+                                  self.blender)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
@@ -79,8 +83,14 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         draft_token_ids: Sequence[int] | None = None,
+        blend: BlendSpec | None = None,
+        num_scored: int = 0,
     ) -> Request:
         """Validate and queue a request. Raises a KvstackError subclass on bad input.
+
+        `blend`: reuse the K/V of the prompt's chunks from the chunk cache (APPROXIMATE;
+        `blend/`). `num_scored`: keep the log-prob rows of the last prompt positions
+        (`Request.scored`).
 
         `draft_token_ids`: a guess at the output, verified against the model's own greedy
         choices (only the agreeing prefix is kept; greedy requests without penalties only,
@@ -110,6 +120,10 @@ class LLMEngine:
                                                sampling_params.skip_special_tokens),
             cache_salt=cache_salt,
             draft_token_ids=self._draft(draft_token_ids, max_tokens),
+            blend=None if blend is None else blend_state(
+                self.blender, blend, token_ids, cache_salt, sampling_params.prompt_logprobs
+                is not None, self.config.scheduler.max_num_batched_tokens, num_scored),
+            num_scored=min(max(num_scored, 0), len(token_ids)),
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -166,6 +180,8 @@ class LLMEngine:
         """Run one step; return outputs of requests that gained tokens or finished."""
         if self.kv_manager is not None:
             self.kv_manager.expire_pins(time.monotonic())
+        if self.blender is not None:
+            self.blender.before_step(self.scheduler.waiting)
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return []
@@ -176,6 +192,9 @@ class LLMEngine:
         result = self.runner.run(batch)
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(batch, result.prompt_logprobs)
+        for s, scored in zip(batch.scheduled, result.scored or [], strict=False):
+            if scored is not None:
+                s.request.record_scores(*scored)
         # Tokens first (a block's hash needs its tokens), then the computed counts and the
         # blocks they complete, then the finishes: a finished request's blocks are published
         # before they are freed.
@@ -300,6 +319,7 @@ class LLMEngine:
                              if sp.prompt_logprobs is not None else None),
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
+            blend=request.blend.usage if request.blend is not None else None,
         )
 
     # -- cache control and stats ------------------------------------------------------------
@@ -361,9 +381,11 @@ class LLMEngine:
             num_accepted_tokens=self.num_accepted_tokens,
             tiers=self.kv_tiers.stats() if self.kv_tiers else (),
             **(asdict(usage) if usage else {}),
+            **(self.blender.stats_fields() if self.blender else {}),
         )
 
     def check_integrity(self) -> None:
         if self.kv_manager is not None:
             self.kv_manager.check_integrity()
+
 

@@ -6,6 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from kvstack.blend.state import BlendState
 from kvstack.drafts.verify import FIRST_WINDOW
 from kvstack.engine.detokenizer import IncrementalDetokenizer
 from kvstack.layers.sampler import SamplingState
@@ -49,6 +52,11 @@ class Request:
     num_draft_tokens: int = 0  # draft tokens fed to the model so far
     num_accepted_tokens: int = 0  # of those, the ones the model agreed with
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    blend: BlendState | None = None  # a blended request's chunks and region (`blend/`)
+    # Log-probability rows [num_scored, vocab] of the last num_scored prompt positions, when
+    # asked for (`LLM.score`): row i predicts the token after position N - num_scored + i.
+    num_scored: int = 0
+    scored: torch.Tensor | None = None
     sampling_state: SamplingState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +70,17 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def record_scores(self, first: int, values: torch.Tensor) -> None:
+        """Scored rows from row `first` on (by index: a recomputed prompt rewrites them)."""
+        if self.scored is None:
+            self.scored = torch.full((self.num_scored, values.shape[1]), float("nan"))
+        self.scored[first:first + values.shape[0]] = values
+
+    @property
+    def num_exact_tokens(self) -> int | None:
+        """Tokens whose K/V are exact, so publishable to the prefix cache (None: all)."""
+        return self.blend.exact_limit if self.blend is not None else None
 
     @property
     def scores_prompt(self) -> bool:

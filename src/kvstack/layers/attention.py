@@ -11,6 +11,7 @@ query attends to exactly what later steps will read. Window mode has its own pat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,25 @@ class PrefillSpan:
     end: int
     context_len: int  # tokens in the sequence after this step (cached + new)
     slots: torch.Tensor | None  # [context_len] slots to read back; None: no cached prefix
+    # [end - start] each query's position when they are not the span's last positions in a
+    # row (a blended step keeps only some rows; `blend/`); None: context_len - (end - start) on.
+    positions: torch.Tensor | None = None
+
+
+class RowFilter(Protocol):
+    """A step that computes only some rows past some layer (selective recompute, `blend/`)."""
+
+    meta: AttentionMetadata  # the metadata of the rows still computed
+
+    def select(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_storage: KVCacheStorage | None) -> torch.Tensor | None:
+        """After layer `layer`'s Q/K/V of the current rows: the rows (indices into them) that
+        go on from here, `meta` updated to them; None: all of them."""
+        ...
+
+    def expand(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the rows computed to the end -> one row per original row."""
+        ...
 
 
 @dataclass
@@ -38,6 +58,7 @@ class AttentionMetadata:
     window: list[WindowSpan] | None = None  # window mode: every query goes through these
     decode_lens: torch.Tensor | None = None  # [B_d] real keys per decode row (int64)
     use_kernels: bool = False  # the C decode kernel may run (False: PyTorch ops only)
+    blend: RowFilter | None = None  # a blended step (`blend/`): rows drop out after a layer
 
 
 def paged_attention(
@@ -95,8 +116,10 @@ def _attend(
             assert kv_storage is not None
             kc, vc = kv_storage.read(layer, span.slots)
             num_q = span.end - span.start
-            # query i sits at position context_len - num_q + i and sees keys up to there
-            q_pos = torch.arange(span.context_len - num_q, span.context_len)
+            # query i sits at position context_len - num_q + i (or where `positions` says) and
+            # sees keys up to there
+            q_pos = (span.positions if span.positions is not None
+                     else torch.arange(span.context_len - num_q, span.context_len))
             mask = torch.arange(span.context_len)[None, :] <= q_pos[:, None]
             os_ = F.scaled_dot_product_attention(
                 qs, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], attn_mask=mask,
