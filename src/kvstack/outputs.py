@@ -67,6 +67,29 @@ class BlendUsage:
     recomputed_tokens: int  # of those, the ones recomputed in context through every layer
     # Prompt token-layers computed, over full prefill's (tokens x layers): linear-layer work.
     compute: float
+# Where a prompt token's K/V came from (`Provenance.prompt`), in prompt order:
+PREFIX_CACHE = "prefix_cache"  # read from the memory prefix cache
+TIER = "tier"  # restored from a tier below the memory pool (disk, Redis)
+COMPUTED = "computed"  # computed by this request's prefill
+# and where an output token came from (`Provenance.output`):
+DRAFT = "draft"  # a draft token the model verified and accepted (several in one step)
+MODEL = "model"  # sampled by the model (one per step, also after a verify step)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """A request's tokens by source, as runs (source, count) in token order. The prompt's
+    runs are fixed at the request's first admission (a preempted request recomputes blocks
+    it had but keeps its provenance); blended chunks, when they exist, get a source too."""
+
+    prompt: tuple[tuple[str, int], ...] = ()
+    output: tuple[tuple[str, int], ...] = ()
+
+    def num_prompt(self, source: str) -> int:
+        return sum(n for s, n in self.prompt if s == source)
+
+    def num_output(self, source: str) -> int:
+        return sum(n for s, n in self.output if s == source)
 
 
 @dataclass
@@ -85,3 +108,4 @@ class RequestOutput:
     num_accepted_tokens: int = 0
     # A blended request's chunk reuse (None: not blended, or nothing was placed).
     blend: BlendUsage | None = None
+    provenance: Provenance = field(default_factory=Provenance)

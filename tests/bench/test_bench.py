@@ -244,6 +244,31 @@ def test_one_case_alone_and_peer_max_batch(
     assert "transformers" not in rows[1] and rows[1]["ours_over_transformers"] is None
 
 
+def test_cluster_simulation_runs_calibrated_and_writes_its_rows(
+    capsys: pytest.CaptureFixture[str], tiny_model: str, tmp_path: Path
+) -> None:
+    code, lines, err = bench(capsys, "cluster", "--simulate", "--model", tiny_model, "--threads",
+                           "1", "--out", str(tmp_path), "--no-progress", "--requests", "300",
+                           "--sim-replicas", "4", "--sim-tenants", "2")
+    assert code == 0 and len(lines) == 1, err
+    assert lines[0].startswith("cluster-sim: 4x2t: hit ")
+    data = json.loads((tmp_path / "cluster-sim.json").read_text())
+    rows = data["results"]["rows"]
+    assert {(r["policy"], r["replicas"], r["tenants"]) for r in rows} == {
+        (p, 4, 2) for p in ("cache-aware", "round-robin", "text-trie")}
+    assert all(r["requests"] == 300 and 0 <= r["hit_rate"] <= 1 for r in rows)
+    rates = data["results"]["calibration"]
+    assert positive(rates["prefill_tokens_per_s"]) and positive(rates["decode_tokens_per_s"])
+    assert data["config"]["cost_model"]["prefill_tokens_per_s"] == rates["prefill_tokens_per_s"]
+
+
+def test_cluster_runs_named_by_the_cli_are_the_benchmarks() -> None:
+    from kvstack.bench import cluster
+
+    assert tuple(r.name for r in cluster.RUNS) == bench_cli.CLUSTER_RUNS
+    assert "cluster" not in bench_cli.ALL_CASES
+
+
 @pytest.mark.parametrize(
     ("argv", "mentions"),
     [

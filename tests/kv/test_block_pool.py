@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -9,6 +11,24 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvstack.kv.block_hash import hash_block, hash_full_blocks
 from kvstack.kv.block_pool import BlockPool, KVBlock
+
+
+class Mirror:
+    """A BlockListener that keeps the set of hashes it was told are cached."""
+
+    def __init__(self) -> None:
+        self.hashes: set[bytes] = set()
+        self.num_events = 0
+
+    def blocks_stored(self, hashes: Sequence[bytes]) -> None:
+        assert not self.hashes & set(hashes), "stored twice without a removal"
+        self.hashes.update(hashes)
+        self.num_events += 1
+
+    def blocks_removed(self, hashes: Sequence[bytes]) -> None:
+        assert set(hashes) <= self.hashes, "removed a hash never stored"
+        self.hashes.difference_update(hashes)
+        self.num_events += 1
 
 
 def h(name: str) -> bytes:
@@ -194,6 +214,25 @@ def test_extra_keys_separate_tenants_and_models() -> None:
     assert salted == hash_full_blocks(tokens, 4, ("m", "alice"), [])
 
 
+def test_listener_hears_publications_evictions_and_resets_and_starts_from_the_pool() -> None:
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.cache(a, h("a"))
+    late = Mirror()
+    pool.add_listener(late)  # told of what is cached already
+    assert late.hashes == {h("a")}
+    pool.cache(b, h("b"))
+    pool.cache(c, h("a"))  # a duplicate hash is not published, so nobody hears of it
+    assert late.hashes == {h("a"), h("b")} == set(pool.cached_hashes())
+    pool.free([c, b, a])
+    pool.allocate(1)  # evicts c (uncached) first: nothing to hear
+    assert late.hashes == {h("a"), h("b")}
+    pool.allocate(1)  # evicts b
+    assert late.hashes == {h("a")}
+    assert pool.reset_prefix_cache() == 1
+    assert late.hashes == set() == set(pool.cached_hashes())
+
+
 # --- property: random operation sequences against a model of the pool -------------------
 
 
@@ -210,6 +249,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.free_order = list(range(self.NUM_BLOCKS))  # model of the LRU queue
         self.hash_of: dict[int, bytes] = {}  # model of block id -> published hash
         self.next_hash = 0
+        self.mirror = Mirror()
+        self.pool.add_listener(self.mirror)
 
     def _model_ref_cnt(self, block_id: int) -> int:
         return sum(1 for b in self.refs if b.block_id == block_id)
@@ -277,6 +318,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.num_cached_free == sum(1 for i in self.free_order if i in self.hash_of)
         for block in self.pool.blocks:
             assert block.ref_cnt == self._model_ref_cnt(block.block_id)
+        # A listener's view is exactly the prefix cache, after any sequence of operations.
+        assert self.mirror.hashes == set(self.hash_of.values()) == set(self.pool.cached_hashes())
 
     def teardown(self) -> None:
         self.pool.free(self.refs)

@@ -31,6 +31,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in
     "weights",
     "blend",
     "engine",
+    "ui",
     "eval server bench cluster",
     "cli",
     "__init__ __main__",

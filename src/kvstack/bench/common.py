@@ -61,6 +61,12 @@ class BenchOptions:
     # Our engine's weight format (None: float32; `bench peers` then runs every format).
     dtype: str | None = None
     quantization: str | None = None
+    # cluster: the routing simulator instead of a real cluster, and its sizes
+    simulate: bool = False
+    requests: int | None = None  # None: the case's default
+    policies: tuple[str, ...] = ()  # cluster: which runs (empty: the case's default)
+    sim_replicas: tuple[int, ...] = ()
+    sim_tenants: tuple[int, ...] = ()
 
     @property
     def threads_text(self) -> str:

@@ -53,12 +53,20 @@ class ServerUnavailableError(KvstackError):
 def server(options: BenchOptions, kv_bytes: int, max_num_seqs: int) -> Iterator[str]:
     """The server's base URL: --url as given, or a `kvstack serve` started (and always
     stopped) here."""
+    with server_process(options, kv_bytes, max_num_seqs) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(options: BenchOptions, kv_bytes: int, max_num_seqs: int
+                   ) -> Iterator[tuple[str, subprocess.Popen[bytes] | None]]:
+    """`server`, with the process it started (None with --url), e.g. to read its CPU time."""
     if options.url:
         url = options.url.rstrip("/")
         if not _healthy(url):
             raise ServerUnavailableError(f"no kvstack server answers at {url}/health; start one "
                                          "with `kvstack serve` or leave out --url")
-        yield url
+        yield url, None
         return
     with tempfile.TemporaryDirectory(prefix="kvstack-bench-serve-") as tmp:
         log_path = Path(tmp) / "server.log"
@@ -71,7 +79,7 @@ def server(options: BenchOptions, kv_bytes: int, max_num_seqs: int) -> Iterator[
             try:
                 url = f"http://127.0.0.1:{port}"
                 if _wait_healthy(url, proc):
-                    yield url
+                    yield url, proc
                     return
                 text = log_path.read_text(errors="replace")
                 if "address already in use" not in text.lower():

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from kvstack.engine.llm import LLM, PromptType
 
 __all__ = ["DEFAULT_MODEL", "add_model_args", "add_sampling_args", "add_tier_args",
-           "byte_size", "load_llm", "name_list", "non_negative_int", "positive_float",
+           "byte_size", "llm_kwargs", "load_llm", "name_list", "non_negative_int", "positive_float",
            "positive_int", "read_prompt", "sampling_params", "stream_text", "tier_kwargs"]
 
 
@@ -99,6 +99,12 @@ def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
     """An `LLM` built from the model flags; `overrides` replace individual keyword arguments."""
     from kvstack.engine.llm import LLM
 
+    return LLM(**llm_kwargs(args, **overrides))
+
+
+def llm_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    """The `LLM` keyword arguments of the model flags (what `load_llm` builds, or what every
+    cluster replica builds)."""
     kwargs: dict[str, Any] = {
         "model": args.model,
         "dtype": args.dtype,
@@ -116,7 +122,7 @@ def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
                    "kv_sink_tokens": args.kv_sink_tokens}
         if overrides.get("enable_prefix_caching") is not False:
             kwargs |= tier_kwargs(args)
-    return LLM(**(kwargs | overrides))
+    return kwargs | overrides
 
 
 # -- sampling --------------------------------------------------------------------------------

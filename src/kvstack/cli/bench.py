@@ -7,7 +7,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from kvstack.argtypes import DEFAULT_MODEL, positive_int
+from kvstack.argtypes import DEFAULT_MODEL, name_list, positive_int
 
 # name -> help; `all` runs them in this order. Each lives in kvstack.bench.<name> as
 # `run(subject, options) -> CaseResult`, imported only when run (transformers loads slowly).
@@ -25,7 +25,15 @@ CASES = {
               "window mode",
     "verify": "verified drafts: semantic cache off/trust/verify, acceptance over labelled "
               "pairs, prompt lookup on quoting and non-quoting answers",
+    "cluster": "routing policies on a 2-replica Ray Serve cluster (hit rate by source, TTFT, "
+               "TPOT, throughput, imbalance, decision time); --simulate: 16-256 replicas",
+    "ui": "what the live view (/ui) costs: decode tok/s with 0 vs 5 open pages, snapshot time",
 }
+# `all` runs these: the cluster case needs Ray and redis-server and takes most of an hour.
+ALL_CASES = [name for name in CASES if name != "cluster"]
+# bench cluster's runs, in order (kvstack.bench.cluster.RUNS; a test keeps both the same)
+CLUSTER_RUNS = ("round-robin", "pow2", "ray-prefix", "cache-aware", "oracle",
+                "cache-aware+redis", "round-robin+redis")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -64,13 +72,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve_url.add_argument("--url", default=None, metavar="URL",
                            help="load the kvstack server already running at URL (e.g. "
                            "http://127.0.0.1:8000) instead of starting one")
+    cluster = _cluster_flags()
     cases = parser.add_subparsers(title="cases", metavar="CASE", dest="case", required=True)
     for name, text in CASES.items():
-        parents = [shared, *{"throughput": [peer_batch], "serve": [serve_url]}.get(name, [])]
+        parents = [shared, *{"throughput": [peer_batch], "serve": [serve_url],
+                             "cluster": [cluster], "ui": [serve_url]}.get(name, [])]
         cases.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
                          parents=parents)
-    cases.add_parser("all", help="every case in order: " + ", ".join(CASES),
-                     description="Run " + ", ".join(CASES) + " in order, loading the model once.",
+    cases.add_parser("all", help="every case in order: " + ", ".join(ALL_CASES),
+                     description="Run " + ", ".join(ALL_CASES) + " in order, loading the model "
+                     "once (`cluster` runs on its own).",
                      parents=[shared, peer_batch])
     report = cases.add_parser(
         "report", help="rewrite the README's benchmark section from the JSON in --out",
@@ -85,6 +96,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="where the plots are copied, to be committed with the README")
     parser.set_defaults(run=run)
     return parser
+
+
+def _cluster_flags() -> argparse.ArgumentParser:
+    cluster = argparse.ArgumentParser(add_help=False)
+    cluster.add_argument("--simulate", action="store_true",
+                         help="drive the pure scorer on simulated clusters (16-256 replicas, "
+                         "costs calibrated on this machine) instead of a real 2-replica one")
+    cluster.add_argument("--policies", type=name_list(CLUSTER_RUNS, "policy"), default=None,
+                         metavar="LIST", help="comma-separated runs, from "
+                         f"{', '.join(CLUSTER_RUNS)} (default: all; --quick: round-robin, "
+                         "cache-aware, cache-aware+redis)")
+    cluster.add_argument("--requests", type=positive_int, default=None, metavar="N",
+                         help="requests in the trace (default 60; --simulate 100000)")
+    cluster.add_argument("--sim-replicas", type=positive_int, nargs="+", default=None,
+                         metavar="N", help="--simulate: replica counts (default 16 64 256)")
+    cluster.add_argument("--sim-tenants", type=positive_int, nargs="+", default=None,
+                         metavar="N", help="--simulate: tenant counts (default 8 32)")
+    return cluster
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,8 +135,13 @@ def run(args: argparse.Namespace) -> int:
         url=getattr(args, "url", None),
         dtype=args.dtype,
         quantization=args.quantization,
+        simulate=getattr(args, "simulate", False),
+        requests=getattr(args, "requests", None),
+        policies=tuple(getattr(args, "policies", None) or ()),
+        sim_replicas=tuple(getattr(args, "sim_replicas", None) or ()),
+        sim_tenants=tuple(getattr(args, "sim_tenants", None) or ()),
     )
-    names = list(CASES) if args.case == "all" else [args.case]
+    names = ALL_CASES if args.case == "all" else [args.case]
     subject = Subject(options)
     for name in names:
         case = importlib.import_module(f"kvstack.bench.{name}")

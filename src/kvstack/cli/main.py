@@ -8,14 +8,14 @@ import sys
 from types import ModuleType
 from typing import Any, NoReturn
 
-from kvstack.cli import bench, cache, chat, demo, estimate, evaluate, generate, serve
+from kvstack.cli import bench, cache, chat, demo, estimate, evaluate, generate, serve, ui
 from kvstack.errors import KvstackError
 from kvstack.version import __version__
 
 # Each module contributes `add_parser(subparsers)` (which sets `run` as a default) and
 # `run(args) -> int`; a new subcommand is one more entry here.
 COMMANDS: tuple[ModuleType, ...] = (generate, chat, estimate, demo, bench, serve, cache,
-                                     evaluate)
+                                     evaluate, ui)
 
 
 class UsageError(KvstackError):

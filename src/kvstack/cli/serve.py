@@ -1,7 +1,9 @@
 """`kvstack serve`: the OpenAI- and Anthropic-compatible HTTP server.
 
 SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish, shuts the
-engine down and exits 0.
+engine down and exits 0. With `--replicas N` the same server runs as a Ray Serve application:
+an ingress in front of N engine replicas (`kvstack.cluster`), on a local Ray instance started
+and stopped here, or on a running Ray cluster (`--ray-address`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from kvstack.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kvstack.semantic.cache import SemanticCacheConfig
+    from kvstack.server.auth import KeyRing
+    from kvstack.server.state import ServerConfig
 
 API_KEYS_ENV = "KVSTACK_API_KEYS"
+ADMIN_KEY_ENV = "KVSTACK_ADMIN_KEY"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -27,7 +32,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="serve the OpenAI and Anthropic HTTP APIs",
         description="Serve /v1/completions, /v1/chat/completions (OpenAI), /v1/messages "
-        "(Anthropic, with cache_control prompt caching), /v1/models, /health and /metrics.",
+        "(Anthropic, with cache_control prompt caching), /v1/models, /health, /metrics, and "
+        "/ui: a live view of the cache (block pool, prefix tree, charts, a playground).",
     )
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -74,15 +80,53 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     semantic.add_argument("--semantic-max-entries", type=positive_int, default=None,
                           metavar="N", help="entries kept; the least recently used go first "
                           "(default: 10000)")
+    _add_cluster_args(parser)
+    _add_ui_args(parser)
     add_model_args(parser)
     parser.set_defaults(run=run)
     return parser
+
+
+ROUTERS = ("cache-aware", "round-robin", "pow2")
+
+
+def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    cluster = parser.add_argument_group(
+        "replicas (Ray Serve; needs the 'cluster' extra)",
+        "run N engine replicas behind one endpoint, routed by the KV blocks each holds, "
+        "sharing KV through Redis")
+    cluster.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                         help="engine replicas (needs --kv-redis-url); without it: one engine "
+                         "in this process")
+    cluster.add_argument("--router", choices=ROUTERS, default=None,
+                         help="cache-aware (default): the replica holding the longest cached "
+                         "prefix, weighed against load; round-robin; pow2 (Ray Serve's default)")
+    cluster.add_argument("--ray-address", default=None, metavar="ADDR",
+                         help="join this Ray cluster ('auto', or host:port of `ray start "
+                         "--head`) instead of starting a local Ray instance")
+    cluster.add_argument("--replica-threads", type=positive_int, default=None, metavar="T",
+                         help="torch threads (and Ray CPUs) per replica (default 1)")
+
+
+def _add_ui_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "live view", "GET /ui shows the block pool, the prefix tree, charts and a playground; "
+        "with API keys it asks for one and shows that tenant's text only")
+    group.add_argument("--admin-key", default=None, metavar="KEY",
+                       help=f"a key that shows everyone's blocks and prompts in /ui (not an "
+                       f"API key; also ${ADMIN_KEY_ENV})")
+    group.add_argument("--no-ui", action="store_true",
+                       help="do not serve the live view at /ui")
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
     keys = list(args.api_key or [])
     keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
     return keys
+
+
+def admin_key(args: argparse.Namespace) -> str | None:
+    return args.admin_key if args.admin_key is not None else os.environ.get(ADMIN_KEY_ENV) or None
 
 
 def semantic_config(args: argparse.Namespace) -> SemanticCacheConfig | None:
@@ -107,26 +151,65 @@ def semantic_config(args: argparse.Namespace) -> SemanticCacheConfig | None:
     return SemanticCacheConfig(**{k: v for k, v in fields.items() if v is not None})
 
 
+def check_cluster_flags(args: argparse.Namespace) -> None:
+    if args.replicas is None:
+        given = {"--router": args.router, "--ray-address": args.ray_address,
+                 "--replica-threads": args.replica_threads}
+        stray = [flag for flag, value in given.items() if value is not None]
+        if stray:
+            raise InvalidRequestError(f"{stray[0]} needs --replicas N")
+        return
+    if not args.kv_redis_url:
+        raise InvalidRequestError("--replicas needs --kv-redis-url: replicas share KV blocks "
+                                  "through Redis (e.g. redis://127.0.0.1:6379/0)")
+    if args.drain_timeout is not None:
+        raise InvalidRequestError("--drain-timeout applies to one engine; with --replicas, "
+                                  "Ray Serve drains each replica on shutdown")
+    if args.kv_window is not None or args.no_prefix_caching or args.no_kv_cache:
+        raise InvalidRequestError("--replicas routes by cached prefixes: it needs the prefix "
+                                  "cache (no --kv-window, --no-prefix-caching or --no-kv-cache)")
+
+
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from kvstack.server.app import ServerConfig, create_app
     from kvstack.server.auth import KeyRing
+    from kvstack.server.state import ServerConfig
 
-    keys = KeyRing(api_keys(args))  # bad flags fail before the model loads
+    keys = api_keys(args)
+    ring = KeyRing(keys, admin_key(args))  # bad flags fail before the model loads
+    check_cluster_flags(args)
     config = ServerConfig(
         model_name=args.served_model_name or args.model,
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         cache_ttl_scale=args.cache_ttl_scale,
         semantic=semantic_config(args),
+        # The live view reads one engine's block pool; a cluster's ingress has none.
+        ui=not args.no_ui and args.replicas is None,
     )
+    if args.replicas is not None:
+        from kvstack.cli.serve_cluster import run_cluster
+
+        return run_cluster(args, keys, config)
+    return _run_one(args, ring, config)
+
+
+def _run_one(args: argparse.Namespace, keys: KeyRing, config: ServerConfig) -> int:
+    import uvicorn
+
+    from kvstack.server.app import create_app, stop_streams
+
     # uvicorn re-raises the signal it drained on; a SIGTERM handled to the end is a clean exit.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     llm = load_llm(args, max_num_seqs=args.max_num_seqs,
                    max_pinned_fraction=args.max_pinned_fraction)
     app = create_app(llm, keys, config)
-    server = uvicorn.Server(uvicorn.Config(
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            stop_streams(app)  # open /ui pages must not hold the drain
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.drain_timeout,
     ))

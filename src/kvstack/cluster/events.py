@@ -13,7 +13,7 @@ restarted replica starts empty under a new epoch at seq 0):
 - `Snapshot`: every resident key, as of the batch numbered `seq` (-1: before any batch).
 
 Publication scheme: events, with snapshots only to heal a gap. Measured in the simulator
-(`python -m kvstack.cluster.simulate`, 100,000 requests, 1,536-block replicas, 1 s period):
+(`kvstack bench cluster --simulate`, 100,000 requests, 1,536-block replicas, 1 s period):
 a snapshot is 12 KiB per replica every period, event batches 45-145 B per replica-second,
 ~100x less, for the same staleness (both are as fresh as the period). Size matters because
 Ray Serve re-broadcasts every replica's routing stats to every router whenever one changes:

@@ -12,7 +12,7 @@ What each policy sees, as it would in Ray Serve:
 - text-trie: in addition, the prompts it routed, unsalted, never forgotten;
 - oracle: each prefix group pinned to one replica (LPT on the trace's own group weights).
 
-Run: `python -m kvstack.cluster.simulate --requests 100000 --replicas 16 64 256`.
+Run: `kvstack bench cluster --simulate` (bench/cluster_sim.py prints and records the table).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 import tracemalloc
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -153,129 +153,156 @@ class _Cluster:
 
 
 _PREFILL_END, _DECODE_END = 0, 1
+_Event = tuple[float, int, int, int, float, int]  # when, seq, kind, slot, tokens, output
+
+
+class _Sim:
+    """One policy's run over a trace: the cluster's ground truth, the event queue, and what
+    the policy is told (publications every `publish_period_s`)."""
+
+    def __init__(self, policy: str, trace: Trace, num_replicas: int, cost: CostModel,
+                 scoring: ScoringConfig, publish_period_s: float, record_ttl_s: float,
+                 seed: int) -> None:
+        self.policy = policy
+        self.trace = trace
+        self.cost = cost
+        self.cluster = _Cluster([_Replica(cost.kv_blocks) for _ in range(num_replicas)], cost)
+        self.names = [f"r{i}" for i in range(num_replicas)]
+        self.router: CacheAwareRouter | None = None
+        if policy.startswith("cache-aware"):
+            self.router = CacheAwareRouter(LAYOUT, scoring, max_blocks_per_replica=cost.kv_blocks,
+                                           record_ttl_s=record_ttl_s,
+                                           use_record=policy == "cache-aware")
+            for name in self.names:
+                self.router.add_replica(name, LAYOUT)
+                self.router.index.apply_snapshot(name, self.cluster.replicas[0].log.snapshot())
+        self.trie = TextTriePolicy() if policy == "text-trie" else None
+        self.assignment = (pin_groups(trace.group_weights, num_replicas) if policy == "oracle"
+                           else [])
+        self.rng = random.Random(seed)
+        self.period = publish_period_s
+        self.next_tick = publish_period_s if publish_period_s > 0 else float("inf")
+        self.events: list[_Event] = []
+        self.seq = 0
+        self.dirty: set[int] = set()
+        self.event_bytes = 0
+        self.hit_tokens = self.prompt_tokens = self.predicted_tokens = 0
+        self.over_tokens = self.guarded = 0
+
+    def publish(self, now: float) -> None:
+        router, cluster = self.router, self.cluster
+        if router is not None:
+            for slot in self.dirty:
+                batch = cluster.replicas[slot].log.drain()
+                if batch is not None:
+                    self.event_bytes += batch.num_bytes
+                    router.index.apply_events(self.names[slot], batch)
+                router.report(self.names[slot], LoadReport(
+                    float(cluster.queued_tokens[slot]), int(cluster.queued_requests[slot]),
+                    int(cluster.running[slot]), now))
+        self.dirty.clear()
+
+    def _handle(self, event: _Event) -> None:
+        when, _, kind, slot, tokens, output = event
+        cluster = self.cluster
+        if kind == _PREFILL_END:
+            cluster.queued_tokens[slot] -= tokens
+            cluster.queued_requests[slot] -= 1
+            cluster.running[slot] += 1
+            done = when + self.cost.decode_seconds(output, int(cluster.running[slot]))
+            self._push(done, _DECODE_END, slot, 0.0, 0)
+        else:
+            cluster.running[slot] -= 1
+        self.dirty.add(slot)
+
+    def _push(self, when: float, kind: int, slot: int, tokens: float, output: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (when, self.seq, kind, slot, tokens, output))
+
+    def advance(self, now: float) -> None:
+        """Apply every publication tick and completion up to `now`, in time order."""
+        while True:
+            head = self.events[0][0] if self.events else float("inf")
+            if self.next_tick <= now and self.next_tick <= head:
+                self.publish(self.next_tick)
+                self.next_tick += self.period
+            elif head <= now:
+                self._handle(heapq.heappop(self.events))
+            else:
+                break
+        if self.period <= 0:
+            self.publish(now)
+
+    def serve(self, request: TraceRequest, slot: int, predicted: int) -> float:
+        """Admit `request` on `slot` now; returns its modelled TTFT."""
+        now, cluster = request.arrival, self.cluster
+        replica = cluster.replicas[slot]
+        hit = replica.admit(request.keys, request.num_prompt_tokens)
+        if self.router is not None:
+            self.predicted_tokens += predicted
+            self.over_tokens += max(predicted - hit, 0)
+        uncached = request.num_prompt_tokens - hit
+        start = max(now, replica.busy_until)
+        service = uncached / self.cost.prefill_rate(int(cluster.running[slot]))
+        replica.busy_until = start + service
+        replica.prefill_seconds += service
+        cluster.queued_tokens[slot] += uncached
+        cluster.queued_requests[slot] += 1
+        self.dirty.add(slot)
+        self._push(replica.busy_until, _PREFILL_END, slot, float(uncached), request.output_tokens)
+        self.hit_tokens += hit
+        self.prompt_tokens += request.num_prompt_tokens
+        return replica.busy_until - now
+
+    def run(self) -> SimResult:
+        started = time.process_time()
+        n = len(self.trace.requests)
+        ttft = np.empty(n)
+        decision_ns = np.empty(n, dtype=np.int64)
+        for i, request in enumerate(self.trace.requests):
+            self.advance(request.arrival)
+            # CPU time of this thread: the machine is shared, wall time would count other work.
+            t0 = time.thread_time_ns()
+            choice = _decide(self.policy, request, i, self.cluster, self.router, self.trie,
+                             self.assignment, self.rng, request.arrival)
+            decision_ns[i] = time.thread_time_ns() - t0
+            self.guarded += choice.guarded
+            ttft[i] = self.serve(request, choice.slot, choice.cached_tokens)
+        result = self._result(ttft, decision_ns)
+        result.sim_seconds = time.process_time() - started
+        return result
+
+    def _result(self, ttft: np.ndarray, decision_ns: np.ndarray) -> SimResult:
+        n, num_replicas = len(ttft), len(self.names)
+        busy = np.array([r.prefill_seconds for r in self.cluster.replicas])
+        result = SimResult(
+            self.policy, num_replicas, 0, n,
+            hit_rate=self.hit_tokens / max(self.prompt_tokens, 1),
+            ttft_p50_s=float(np.percentile(ttft, 50)),
+            ttft_p99_s=float(np.percentile(ttft, 99)),
+            imbalance=float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
+            decision_us_mean=float(decision_ns.mean() / 1e3),
+            decision_us_p99=float(np.percentile(decision_ns, 99) / 1e3),
+            guarded=self.guarded / n,
+        )
+        router = self.router
+        if router is not None:
+            horizon = max(self.trace.requests[-1].arrival, 1e-9)
+            self.publish(horizon)
+            result.overpredicted = self.over_tokens / max(self.predicted_tokens, 1)
+            result.index_blocks_per_replica = sum(
+                router.index.num_blocks(x) for x in self.names) / num_replicas
+            result.index_bytes_per_replica = _index_bytes(self.cluster) / num_replicas
+            result.snapshot_bytes_per_replica = KEY_BYTES * result.index_blocks_per_replica
+            result.event_bytes_per_replica_s = self.event_bytes / (num_replicas * horizon)
+        return result
 
 
 def _run_policy(policy: str, trace: Trace, num_replicas: int, cost: CostModel,
                 scoring: ScoringConfig, publish_period_s: float, record_ttl_s: float,
                 seed: int) -> SimResult:
-    started = time.process_time()
-    cluster = _Cluster([_Replica(cost.kv_blocks) for _ in range(num_replicas)], cost)
-    names = [f"r{i}" for i in range(num_replicas)]
-    router: CacheAwareRouter | None = None
-    if policy.startswith("cache-aware"):
-        router = CacheAwareRouter(LAYOUT, scoring, max_blocks_per_replica=cost.kv_blocks,
-                                  record_ttl_s=record_ttl_s,
-                                  use_record=policy == "cache-aware")
-        for name in names:
-            router.add_replica(name, LAYOUT)
-            router.index.apply_snapshot(name, cluster.replicas[0].log.snapshot())
-    trie = TextTriePolicy() if policy == "text-trie" else None
-    assignment = pin_groups(trace.group_weights, num_replicas) if policy == "oracle" else []
-    rng = random.Random(seed)
-
-    events: list[tuple[float, int, int, int, float, int]] = []
-    seq = 0
-    dirty: set[int] = set()
-    event_bytes = 0
-    next_tick = publish_period_s if publish_period_s > 0 else float("inf")
-
-    def publish(now: float) -> None:
-        nonlocal event_bytes
-        if router is None:
-            dirty.clear()
-            return
-        for slot in dirty:
-            replica = cluster.replicas[slot]
-            batch = replica.log.drain()
-            if batch is not None:
-                event_bytes += batch.num_bytes
-                router.index.apply_events(names[slot], batch)
-            router.report(names[slot], LoadReport(float(cluster.queued_tokens[slot]),
-                                                  int(cluster.queued_requests[slot]),
-                                                  int(cluster.running[slot]), now))
-        dirty.clear()
-
-    def handle(event: tuple[float, int, int, int, float, int]) -> None:
-        nonlocal seq
-        when, _, kind, slot, tokens, output = event
-        if kind == _PREFILL_END:
-            cluster.queued_tokens[slot] -= tokens
-            cluster.queued_requests[slot] -= 1
-            cluster.running[slot] += 1
-            done = when + cost.decode_seconds(output, int(cluster.running[slot]))
-            seq += 1
-            heapq.heappush(events, (done, seq, _DECODE_END, slot, 0.0, 0))
-        else:
-            cluster.running[slot] -= 1
-        dirty.add(slot)
-
-    n = len(trace.requests)
-    ttft = np.empty(n)
-    decision_ns = np.empty(n, dtype=np.int64)
-    hit_tokens = prompt_tokens = predicted_tokens = over_tokens = guarded = 0
-    for i, request in enumerate(trace.requests):
-        now = request.arrival
-        while True:
-            head = events[0][0] if events else float("inf")
-            if next_tick <= now and next_tick <= head:
-                publish(next_tick)
-                next_tick += publish_period_s
-            elif head <= now:
-                handle(heapq.heappop(events))
-            else:
-                break
-        if publish_period_s <= 0:
-            publish(now)
-
-        # CPU time of this thread: the machine is shared, wall time would count other work.
-        t0 = time.thread_time_ns()
-        choice = _decide(policy, request, i, cluster, router, trie, assignment, rng, now)
-        decision_ns[i] = time.thread_time_ns() - t0
-        slot = choice.slot
-        guarded += choice.guarded
-
-        replica = cluster.replicas[slot]
-        hit = replica.admit(request.keys, request.num_prompt_tokens)
-        if router is not None:
-            predicted_tokens += choice.cached_tokens
-            over_tokens += max(choice.cached_tokens - hit, 0)
-        uncached = request.num_prompt_tokens - hit
-        start = max(now, replica.busy_until)
-        service = uncached / cost.prefill_rate(int(cluster.running[slot]))
-        replica.busy_until = start + service
-        replica.prefill_seconds += service
-        cluster.queued_tokens[slot] += uncached
-        cluster.queued_requests[slot] += 1
-        dirty.add(slot)
-        seq += 1
-        heapq.heappush(events, (replica.busy_until, seq, _PREFILL_END, slot, float(uncached),
-                                request.output_tokens))
-        ttft[i] = replica.busy_until - now
-        hit_tokens += hit
-        prompt_tokens += request.num_prompt_tokens
-
-    busy = np.array([r.prefill_seconds for r in cluster.replicas])
-    horizon = max(trace.requests[-1].arrival, 1e-9)
-    result = SimResult(
-        policy, num_replicas, 0, n,
-        hit_rate=hit_tokens / max(prompt_tokens, 1),
-        ttft_p50_s=float(np.percentile(ttft, 50)),
-        ttft_p99_s=float(np.percentile(ttft, 99)),
-        imbalance=float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
-        decision_us_mean=float(decision_ns.mean() / 1e3),
-        decision_us_p99=float(np.percentile(decision_ns, 99) / 1e3),
-        guarded=guarded / n,
-    )
-    if router is not None:
-        publish(horizon)
-        result.overpredicted = over_tokens / max(predicted_tokens, 1)
-        result.index_blocks_per_replica = sum(router.index.num_blocks(x) for x in names) / \
-            num_replicas
-        result.index_bytes_per_replica = _index_bytes(cluster) / num_replicas
-        result.snapshot_bytes_per_replica = KEY_BYTES * result.index_blocks_per_replica
-        result.event_bytes_per_replica_s = event_bytes / (num_replicas * horizon)
-    result.sim_seconds = time.process_time() - started
-    return result
+    return _Sim(policy, trace, num_replicas, cost, scoring, publish_period_s, record_ttl_s,
+                seed).run()
 
 
 def _decide(policy: str, request: TraceRequest, turn: int, cluster: _Cluster,
@@ -357,22 +384,3 @@ def ingress_hash_us(num_tokens: int = 1100, repeats: int = 50) -> float:
         request_keys(tokens, LAYOUT, "salt")
     return (time.perf_counter() - t0) / repeats * 1e6
 
-
-_COLUMNS = [
-    ("policy", "{}"), ("replicas", "{}"), ("tenants", "{}"), ("hit_rate", "{:.1%}"),
-    ("ttft_p50_s", "{:.2f}"), ("ttft_p99_s", "{:.1f}"), ("imbalance", "{:.2f}"),
-    ("decision_us_mean", "{:.0f}"), ("decision_us_p99", "{:.0f}"), ("guarded", "{:.1%}"),
-    ("overpredicted", "{:.1%}"), ("index_blocks_per_replica", "{:.0f}"),
-    ("index_bytes_per_replica", "{:.0f}"), ("snapshot_bytes_per_replica", "{:.0f}"),
-    ("event_bytes_per_replica_s", "{:.0f}"), ("sim_seconds", "{:.1f}"),
-]
-assert {c for c, _ in _COLUMNS} <= {f.name for f in fields(SimResult)}
-
-
-def format_row(result: SimResult) -> str:
-    return " | ".join(fmt.format(getattr(result, name)) for name, fmt in _COLUMNS)
-
-
-def format_results(results: Sequence[SimResult]) -> str:
-    header = " | ".join(name for name, _ in _COLUMNS)
-    return "\n".join([header, *(format_row(r) for r in results)])

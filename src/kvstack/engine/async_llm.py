@@ -15,6 +15,7 @@ from kvstack.engine.core import LLMEngine
 from kvstack.engine.info import ModelInfo
 from kvstack.engine.stats import EngineStats
 from kvstack.errors import KvstackError
+from kvstack.kv.snapshot import KVSnapshot
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 
@@ -202,6 +203,19 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         with self._lock:
             return self.engine.stats()
+
+    def cache_snapshot(self) -> KVSnapshot | None:
+        """`LLMEngine.cache_snapshot` under the engine lock (blocking: call it off the event
+        loop)."""
+        with self._lock:
+            return self.engine.cache_snapshot()
+
+    def stats_and_snapshot(self) -> tuple[EngineStats, KVSnapshot | None]:
+        """Stats and a snapshot of the same moment, in one turn of the engine lock (one
+        hand-over instead of two). The live view takes this once a tick while pages are
+        open, however many they are."""
+        with self._lock:
+            return self.engine.stats(), self.engine.cache_snapshot()
 
     def num_unfinished(self) -> int:
         with self._lock:

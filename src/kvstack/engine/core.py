@@ -22,9 +22,11 @@ from kvstack.engine.scheduler import Scheduler, SchedulerOutput
 from kvstack.engine.stats import EngineStats
 from kvstack.engine.tokenizer import check_token_ids
 from kvstack.errors import CapacityError, InvalidRequestError, PromptTooLongError
+from kvstack.kv.block_pool import BlockListener
+from kvstack.kv.snapshot import KVSnapshot
 from kvstack.kv.tiers.base import TierStats
 from kvstack.layers.sampler import Sampler
-from kvstack.outputs import CompletionOutput, RequestOutput
+from kvstack.outputs import DRAFT, MODEL, CompletionOutput, RequestOutput
 from kvstack.sampling_params import SamplingParams
 
 
@@ -248,6 +250,7 @@ class LLMEngine:
                                                       sampled.token_ids)
             for k, token in enumerate(sampled.token_ids):
                 self.num_generation_tokens += 1
+                request.add_output_source(DRAFT if k < num_accepted else MODEL)
                 logprob = sampled.logprobs[k] if sampled.logprobs is not None else None
                 reason = self._append_token(request, token, logprob, now)
                 if reason is not None:
@@ -320,12 +323,20 @@ class LLMEngine:
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
             blend=request.blend.usage if request.blend is not None else None,
+            provenance=request.provenance(),
         )
 
     # -- cache control and stats ------------------------------------------------------------
 
     def reset_prefix_cache(self) -> int:
         return self.kv_manager.reset_prefix_cache() if self.kv_manager else 0
+
+    def add_block_listener(self, listener: BlockListener) -> None:
+        """Tell `listener` of every block hash entering or leaving the prefix cache (on the
+        step thread; a cluster replica publishes them to its router)."""
+        if self.kv_manager is None or not self.kv_manager.enable_prefix_caching:
+            raise InvalidRequestError("block listeners need the prefix cache; turn it on")
+        self.kv_manager.pool.add_listener(listener)
 
     def pin_prefix(
         self, token_ids: Sequence[int], cache_salt: str | None, ttl_s: float
@@ -383,6 +394,12 @@ class LLMEngine:
             **(asdict(usage) if usage else {}),
             **(self.blender.stats_fields() if self.blender else {}),
         )
+
+    def cache_snapshot(self) -> KVSnapshot | None:
+        """The KV pool right now: each block's state, the published prefix blocks (tokens,
+        tenant salt, hits, tiers) and the requests holding blocks; None without a KV cache.
+        O(blocks) plain copies; call it between steps (AsyncLLM takes the engine lock)."""
+        return self.kv_manager.snapshot() if self.kv_manager is not None else None
 
     def check_integrity(self) -> None:
         if self.kv_manager is not None:

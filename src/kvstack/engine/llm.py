@@ -23,6 +23,7 @@ from kvstack.engine.core import LLMEngine
 from kvstack.engine.info import ModelInfo
 from kvstack.engine.stats import EngineStats
 from kvstack.errors import InvalidRequestError
+from kvstack.kv.snapshot import KVSnapshot
 from kvstack.kv.tiers.base import TierStats
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
@@ -261,6 +262,10 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def cache_snapshot(self) -> KVSnapshot | None:
+        """The KV pool block by block (see `LLMEngine.cache_snapshot`)."""
+        return self.engine.cache_snapshot()
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block not in use (e.g. after reloading weights)."""

@@ -12,7 +12,7 @@ from kvstack.blend.state import BlendState
 from kvstack.drafts.verify import FIRST_WINDOW
 from kvstack.engine.detokenizer import IncrementalDetokenizer
 from kvstack.layers.sampler import SamplingState
-from kvstack.outputs import RequestMetrics
+from kvstack.outputs import COMPUTED, PREFIX_CACHE, TIER, Provenance, RequestMetrics
 from kvstack.sampling_params import SamplingParams
 
 
@@ -40,6 +40,7 @@ class Request:
     # advanced only by the scheduler.
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    num_restored_tokens: int = 0  # of num_cached_tokens, restored from a tier
     num_preemptions: int = 0
     resumed_at_step: int = -1
     finish_reason: str | None = None
@@ -51,6 +52,8 @@ class Request:
     draft_window: int = FIRST_WINDOW  # most draft tokens fed in one step (drafts/verify.py)
     num_draft_tokens: int = 0  # draft tokens fed to the model so far
     num_accepted_tokens: int = 0  # of those, the ones the model agreed with
+    # Output tokens by source (outputs.DRAFT, outputs.MODEL) as [source, count] runs.
+    output_sources: list[list[str | int]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     blend: BlendState | None = None  # a blended request's chunks and region (`blend/`)
     # Log-probability rows [num_scored, vocab] of the last num_scored prompt positions, when
@@ -103,6 +106,21 @@ class Request:
         if end <= n:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def add_output_source(self, source: str) -> None:
+        runs = self.output_sources
+        if runs and runs[-1][0] == source:
+            runs[-1][1] += 1  # type: ignore[operator]
+        else:
+            runs.append([source, 1])
+
+    def provenance(self) -> Provenance:
+        """Where the prompt's K/V and the output tokens came from (see `outputs.Provenance`)."""
+        cached = max(self.num_cached_tokens, 0)
+        runs = ((PREFIX_CACHE, cached - self.num_restored_tokens),
+                (TIER, self.num_restored_tokens), (COMPUTED, self.num_prompt_tokens - cached))
+        return Provenance(tuple((s, n) for s, n in runs if n > 0),
+                          tuple((str(s), int(n)) for s, n in self.output_sources))
 
     @property
     def finished(self) -> bool:

@@ -179,6 +179,7 @@ class Scheduler:
                 request.resumed_at_step = self.step_index
             else:
                 request.num_cached_tokens = hit.num_tokens
+                request.num_restored_tokens = hit.num_restored_tokens
                 kv.record_query(request, hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -1,5 +1,5 @@
-"""Build and load the C kernels (`gemv.c`, `ops.c`) with the machine's C compiler, once per
-source and CPU: the library is cached under ~/.cache/kvstack/kernels/<key>/
+"""Build and load the C kernels (`gemv.c`, `ops.c`, `gguf.c`) with the machine's C compiler,
+once per source and CPU: the library is cached under ~/.cache/kvstack/kernels/<key>/
 (`KVSTACK_CACHE_DIR` moves the cache root), so later processes load it in milliseconds.
 
 The kernels need x86-64 with AVX-512 (F, BW) or AVX2 + FMA + F16C; the sources hold one
@@ -27,7 +27,7 @@ from kvstack.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("gemv.c", "ops.c")
+SOURCES = ("gemv.c", "ops.c", "gguf.c")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _ARCH = ("-march=native",)  # this CPU's instruction set picks the implementation
 _NAMES = {"avx512": "AVX-512", "avx2": "AVX2+FMA"}
@@ -52,6 +52,14 @@ _SUFFIXES = {"gemv": ("f32", "bf16", "i8", "q8", "bf16dp")}
 # Functions without dtype variants: name -> (argtypes, restype).
 _PLAIN = {
     "kvstack_gemv_isa": ([], ctypes.c_char_p),
+    # type, bytes_out
+    "gguf_block_size": ([_INT, _P], _I64),
+    # type, x, rows, k, w, n, bias, y, threads
+    "gguf_gemv": ([_INT, _P, _I64, _I64, _P, _I64, _P, _P, _INT], _INT),
+    # type, w, k, ids, count, out, threads
+    "gguf_dequantize": ([_INT, _P, _I64, _P, _I64, _P, _INT], _INT),
+    # type, w, k, ids, count, out
+    "gguf_dequantize_reference": ([_INT, _P, _I64, _P, _I64, _P], _INT),
 }
 
 

@@ -6,13 +6,19 @@ Contracts:
   "cached": a later request may revive it with `touch` until `allocate` evicts it.
 - The free queue is evicted from its head: blocks freed earlier go first, and callers free a
   request's blocks tail first so a prefix's head outlives its tail.
+
+Listeners (`BlockListener`) hear every change of what the prefix cache holds: a hash published
+(`cache`, which a tier restore also goes through) and a hash forgotten (eviction by `allocate`,
+`reset_prefix_cache`). A cluster replica publishes these to its router; kv/ knows nothing of
+who listens. Listeners run on the caller's thread (the engine's step thread) and must be quick.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvstack.kv.block_hash import BlockHash
 
@@ -24,12 +30,32 @@ class KVBlock:
     block_hash: BlockHash | None = None
 
 
+class BlockListener(Protocol):
+    """Hears which block hashes enter and leave the prefix cache."""
+
+    def blocks_stored(self, hashes: Sequence[BlockHash]) -> None: ...
+
+    def blocks_removed(self, hashes: Sequence[BlockHash]) -> None: ...
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self._listeners: list[BlockListener] = []
+
+    def add_listener(self, listener: BlockListener) -> None:
+        """Report every later publication and eviction to `listener`; it is first told of the
+        hashes cached now, so it starts with the pool's whole view."""
+        self._listeners.append(listener)
+        if self._cached:
+            listener.blocks_stored(list(self._cached))
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the prefix cache holds now (in use or free)."""
+        return list(self._cached)
 
     @property
     def num_blocks(self) -> int:
@@ -86,6 +112,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        for listener in self._listeners:
+            listener.blocks_stored((block_hash,))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block not in use; returns how many were dropped."""
@@ -100,6 +128,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                for listener in self._listeners:
+                    listener.blocks_removed((block.block_hash,))
             block.block_hash = None
             self.num_evictions += 1
 

@@ -8,6 +8,7 @@ but never writes the request: the scheduler advances `num_computed_tokens`. Pure
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -15,6 +16,14 @@ from typing import Protocol
 from kvstack.kv.block_hash import BlockHash, hash_full_blocks
 from kvstack.kv.block_pool import BlockPool, KVBlock
 from kvstack.kv.pins import PinRegistry
+from kvstack.kv.snapshot import (
+    COMPUTED,
+    RESTORED,
+    KVSnapshot,
+    PublicationLog,
+    PublishedBlock,
+    take_snapshot,
+)
 from kvstack.kv.tiers.base import BlockTiers
 from kvstack.kv.window import SlidingWindow
 
@@ -70,6 +79,7 @@ class _BlockTable:
     # Window mode: logical blocks between the sinks and `blocks`' rest that slid out and were
     # freed (dropped, not evicted: they never enter the prefix cache).
     num_dropped_blocks: int = 0
+    cache_salt: str | None = None  # the request's: the tenant of the blocks it publishes
 
 
 class KVCacheManager:
@@ -108,6 +118,7 @@ class KVCacheManager:
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
         self.tier_hit_tokens = 0
+        self.log = PublicationLog()  # what each published block holds, for `snapshot`
 
     @property
     def num_blocks(self) -> int:
@@ -174,14 +185,17 @@ class KVCacheManager:
             hit.append(block)
         restored: list[KVBlock] = []
         if self.tiers is not None and len(hit) < max_blocks:
-            restored = self._restore(hashes[len(hit):max_blocks], hit)
+            restored = self._restore(hashes[:max_blocks], hit, tokens, request.cache_salt)
         return PrefixHit(hit + restored, (len(hit) + len(restored)) * self.block_size,
                          len(restored) * self.block_size, hashes)
 
-    def _restore(self, hashes: list[BlockHash], hit: list[KVBlock]) -> list[KVBlock]:
-        """Load the longest run of `hashes` the tiers hold into free blocks and publish them;
-        they stay free (cached) until `allocate` takes them with the rest of the hit."""
+    def _restore(self, all_hashes: list[BlockHash], hit: list[KVBlock], tokens: list[int],
+                 cache_salt: str | None) -> list[KVBlock]:
+        """Load the longest run of the hashes past `hit` the tiers hold into free blocks and
+        publish them; they stay free (cached) until `allocate` takes them with the hit."""
         assert self.tiers is not None
+        first = len(hit)
+        hashes = all_hashes[first:]
         num = self.tiers.lookup(hashes)
         if num == 0:
             return []
@@ -189,8 +203,8 @@ class KVCacheManager:
         try:
             blocks = self.pool.allocate(min(num, self.pool.num_free))
             num_loaded = self.tiers.restore(hashes[: len(blocks)], [b.block_id for b in blocks])
-            for block, block_hash in zip(blocks[:num_loaded], hashes, strict=False):
-                self.pool.cache(block, block_hash)
+            for i, block in enumerate(blocks[:num_loaded], start=first):
+                self._publish(block, i, all_hashes, tokens, cache_salt, RESTORED)
             self.pool.free(reversed(blocks))
         finally:
             self.pool.free(reversed(hit))
@@ -204,6 +218,7 @@ class KVCacheManager:
         the caller then counts `hit.num_tokens` as computed.
         """
         table = self._table(request.request_id)
+        table.cache_salt = request.cache_salt
         hit_blocks = hit.blocks if hit else []
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_held = len(table.blocks) + table.num_dropped_blocks + len(hit_blocks)
@@ -226,6 +241,8 @@ class KVCacheManager:
         self.prefix_cache_query_tokens += request.num_tokens
         self.prefix_cache_hit_tokens += hit.num_tokens
         self.tier_hit_tokens += hit.num_restored_tokens
+        if hit.blocks:
+            self.log.hit([b.block_id for b in hit.blocks], time.time())
 
     def cache_computed_blocks(self, request: KVRequest, max_tokens: int | None = None) -> None:
         """Publish the request's newly completed full blocks in the prefix cache, and write
@@ -244,13 +261,29 @@ class KVCacheManager:
                 self._salted_keys(request.cache_salt), table.block_hashes,
             )
         published = []
-        for block, block_hash in zip(table.blocks[:num_full], table.block_hashes, strict=False):
-            if block.block_hash is None:
-                self.pool.cache(block, block_hash)
-                if block.block_hash is not None:
-                    published.append((block.block_id, block_hash))
+        bs = self.block_size
+        for i, block in enumerate(table.blocks[:num_full]):
+            if block.block_hash is None and self._publish(
+                    block, i, table.block_hashes, request.tokens_between(i * bs, (i + 1) * bs),
+                    request.cache_salt, COMPUTED, offset=i * bs):
+                published.append((block.block_id, table.block_hashes[i]))
         if published and self.tiers is not None:
             self.tiers.offload(published)
+
+    def _publish(self, block: KVBlock, index: int, hashes: list[BlockHash], tokens: list[int],
+                 cache_salt: str | None, origin: str, offset: int = 0) -> bool:
+        """Publish the `index`-th block of a sequence under its hash and log what it holds
+        (`tokens` start at token `offset` of the sequence); False if another block already
+        holds that hash (first writer wins)."""
+        block_hash = hashes[index]
+        self.pool.cache(block, block_hash)
+        if block.block_hash is not block_hash:
+            return False
+        start = index * self.block_size - offset
+        self.log.publish(block.block_id, PublishedBlock(
+            block_hash, hashes[index - 1] if index else None,
+            tuple(tokens[start:start + self.block_size]), cache_salt, origin, time.time()))
+        return True
 
     def trim(self, request: KVRequest) -> None:
         """Free the blocks past the request's computed tokens (a step wrote draft tokens there
@@ -348,6 +381,14 @@ class KVCacheManager:
             prefix_cache_hit_tokens=self.prefix_cache_hit_tokens,
             tier_hit_tokens=self.tier_hit_tokens,
         )
+
+    def snapshot(self) -> KVSnapshot:
+        """Block states, published blocks and holders: plain copies for the live view."""
+        tables = ((rid, t.cache_salt, [b.block_id for b in t.blocks])
+                  for rid, t in self._tables.items())
+        presence = self.tiers.presence if self.tiers is not None else None
+        return take_snapshot(self.block_size, self.pool.blocks, self.pins.block_ids(),
+                             self.log, tables, presence)
 
     def check_integrity(self) -> None:
         """The pool's and the pins' invariants, and every table block held by its table."""

@@ -35,6 +35,10 @@ class PinRegistry:
     def __len__(self) -> int:
         return len(self._pins)
 
+    def block_ids(self) -> set[int]:
+        """Ids of the pinned blocks."""
+        return {pin.block.block_id for pin in self._pins.values()}
+
     def pin(self, block_hashes: Sequence[BlockHash], until: float) -> tuple[int, int]:
         """Pin the cached chain `block_hashes` names, up to its first block not in the cache.
 

@@ -1,6 +1,8 @@
-"""The FastAPI app: OpenAI and Anthropic routes over one `AsyncLLM`, plus /health, /metrics.
+"""The FastAPI app: OpenAI and Anthropic routes over one engine, plus /health, /metrics
+and the live view of the cache at /ui.
 
 `create_app(LLM(...), api_keys=[...])` is all a caller needs; `kvstack serve` wraps it in uvicorn.
+The engine may also be any `EngineClient`, e.g. the cluster's client over Ray Serve replicas.
 The server translates HTTP to engine calls and back; it owns no cache policy of its own.
 """
 
@@ -20,31 +22,36 @@ from kvstack.semantic.cache import SemanticCache
 from kvstack.server import anthropic_api, openai_api, semantic_api
 from kvstack.server.auth import KeyRing
 from kvstack.server.body import BodyLimit
+from kvstack.server.engine_client import EngineClient
 from kvstack.server.errors import error_response, install_handlers
 from kvstack.server.state import ServerConfig, ServerState
+from kvstack.server.ui_host import build_ui
+from kvstack.ui.routes import build_router
 
-__all__ = ["ServerConfig", "create_app"]
+__all__ = ["ServerConfig", "create_app", "stop_streams"]
 
 
 def create_app(
-    llm: LLM | LLMEngine | AsyncLLM,
+    llm: LLM | LLMEngine | EngineClient,
     api_keys: Sequence[str] | KeyRing = (),
     config: ServerConfig | None = None,
     semantic_cache: SemanticCache | None = None,
 ) -> FastAPI:
     """An app serving `llm`. Each API key is a tenant; with none, the API is open.
 
-    Given an `AsyncLLM` the caller keeps ownership of it; otherwise the app makes one and shuts
-    it down (after in-flight requests drained) when the server stops. Likewise a given
+    Given an `AsyncLLM` (or another `EngineClient`) the caller keeps ownership of it; given an
+    `LLM` or `LLMEngine` the app makes an `AsyncLLM` and shuts it down (after in-flight requests
+    drained) when the server stops. Likewise a given
     `semantic_cache` stays the caller's; `config.semantic` makes one the app closes.
     """
     config = config or ServerConfig()
     keys = api_keys if isinstance(api_keys, KeyRing) else KeyRing(api_keys)
-    owned = not isinstance(llm, AsyncLLM)
-    if isinstance(llm, AsyncLLM):
-        engine = llm
-    else:
+    owned = isinstance(llm, (LLM, LLMEngine))
+    engine: EngineClient
+    if isinstance(llm, (LLM, LLMEngine)):
         engine = AsyncLLM(llm.engine if isinstance(llm, LLM) else llm, config.max_waiting)
+    else:
+        engine = llm
     try:
         state = _state(engine, keys, config, semantic_cache)
     except BaseException:
@@ -59,10 +66,21 @@ def create_app(
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(semantic_api.router)
+    if state.ui is not None:
+        app.include_router(build_router(state.ui))
     return app
 
 
-def _state(engine: AsyncLLM, keys: KeyRing, config: ServerConfig,
+def stop_streams(app: FastAPI) -> None:
+    """End the live view's event streams, from any thread (a signal handler included).
+    Call it when shutdown begins: a server waits for open responses, and an open page's
+    stream never ends by itself."""
+    ui = app.state.kvstack.ui
+    if ui is not None:
+        ui.close_threadsafe()
+
+
+def _state(engine: EngineClient, keys: KeyRing, config: ServerConfig,
            semantic_cache: SemanticCache | None) -> ServerState:
     state = ServerState(engine, keys, config)
     fingerprint = engine.info.fingerprint
@@ -72,6 +90,8 @@ def _state(engine: AsyncLLM, keys: KeyRing, config: ServerConfig,
     elif config.semantic is not None:
         state.semantic = semantic_api.SemanticService.build(config.semantic, fingerprint,
                                                             state.metrics.registry)
+    if config.ui and isinstance(engine, AsyncLLM):  # the view reads one engine's block pool
+        state.ui = build_ui(state)
     return state
 
 
@@ -79,9 +99,13 @@ def _lifespan(state: ServerState,
               owned: bool) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        ticker = asyncio.create_task(state.ui.run()) if state.ui is not None else None
         try:
             yield
         finally:
+            if ticker is not None:
+                state.ui.close()  # type: ignore[union-attr]
+                ticker.cancel()
             if owned:
                 await asyncio.to_thread(state.engine.shutdown)
             if state.semantic is not None:

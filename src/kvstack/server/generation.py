@@ -12,9 +12,9 @@ from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 
-from kvstack.engine.async_llm import AsyncLLM
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
+from kvstack.server.engine_client import EngineClient
 from kvstack.server.errors import ClientGoneError
 from kvstack.server.metrics import ServerMetrics
 
@@ -46,7 +46,7 @@ async def final_output(stream: OutputStream, first: RequestOutput | None = None
 
 
 class Generation:
-    """Drives `AsyncLLM.generate` in a task of its own.
+    """Drives an engine's `generate` (`EngineClient`: local or a cluster) in a task of its own.
 
     The HTTP side may stop reading at any point (client gone, response cancelled); `close()`
     then cancels that task, and the engine front end aborts the request and frees its blocks.
@@ -56,7 +56,7 @@ class Generation:
 
     def __init__(
         self,
-        engine: AsyncLLM,
+        engine: EngineClient,
         metrics: ServerMetrics,
         prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,

@@ -1,64 +1,80 @@
 """Prometheus metrics, in a registry of the app's own (two apps in one process never clash).
 
-Engine gauges and counters are read from `AsyncLLM.stats()` at scrape time; latency
-histograms are observed as requests finish.
+Engine gauges and counters are read from the engine's `stats()` at scrape time; latency
+histograms are observed as requests finish. Over several replicas (`ReplicatedEngine`) every
+engine gauge and counter carries a `replica` label, one sample per live replica.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstack.engine.async_llm import AsyncLLM
+from kvstack.engine.stats import EngineStats
 from kvstack.outputs import RequestOutput
+from kvstack.server.engine_client import EngineClient, ReplicatedEngine
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+_GAUGES = {
+    "requests_running": ("requests being computed", lambda s: s.num_requests_running),
+    "requests_waiting": ("requests queued for admission", lambda s: s.num_requests_waiting),
+    "kv_cache_usage_ratio": ("share of KV blocks in use (pins included)",
+                             lambda s: s.kv_cache_usage),
+    "kv_blocks_total": ("KV blocks in the pool", lambda s: s.num_blocks_total),
+    "kv_blocks_used": ("KV blocks in use by requests or pins", lambda s: s.num_blocks_used),
+    "kv_blocks_pinned": ("KV blocks held by prompt-cache pins", lambda s: s.num_blocks_pinned),
+    "kv_blocks_cached": ("free KV blocks still holding a reusable prefix",
+                         lambda s: s.num_blocks_cached),
+}
+_COUNTERS = {
+    "prefix_cache_queries": ("prompt tokens looked up in the prefix cache",
+                             lambda s: s.prefix_cache_query_tokens),
+    "prefix_cache_hits": ("prompt tokens found in the prefix cache",
+                          lambda s: s.prefix_cache_hit_tokens),
+    "preemptions": ("requests preempted for lack of KV blocks", lambda s: s.num_preemptions),
+    "prompt_tokens": ("prompt tokens processed", lambda s: s.num_prompt_tokens),
+    "generation_tokens": ("tokens generated", lambda s: s.num_generation_tokens),
+    "draft_tokens": ("draft tokens verified (semantic cache, prompt lookup)",
+                     lambda s: s.num_draft_tokens),
+    "draft_accepted_tokens": ("draft tokens the model agreed with",
+                              lambda s: s.num_accepted_tokens),
+}
+
+
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncLLM) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def describe(self) -> list[Metric]:
         return []  # collected lazily: registering must not touch the engine
 
     def collect(self) -> Iterator[Metric]:
+        if isinstance(self.engine, ReplicatedEngine):
+            yield from _labelled(self.engine.replica_stats())
+            return
         s = self.engine.stats()
-        gauges = {
-            "requests_running": ("requests being computed", s.num_requests_running),
-            "requests_waiting": ("requests queued for admission", s.num_requests_waiting),
-            "kv_cache_usage_ratio": ("share of KV blocks in use (pins included)",
-                                     s.kv_cache_usage),
-            "kv_blocks_total": ("KV blocks in the pool", s.num_blocks_total),
-            "kv_blocks_used": ("KV blocks in use by requests or pins", s.num_blocks_used),
-            "kv_blocks_pinned": ("KV blocks held by prompt-cache pins", s.num_blocks_pinned),
-            "kv_blocks_cached": ("free KV blocks still holding a reusable prefix",
-                                 s.num_blocks_cached),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(f"kvstack_{name}", doc, value=value)
-        counters = {
-            "prefix_cache_queries": ("prompt tokens looked up in the prefix cache",
-                                     s.prefix_cache_query_tokens),
-            "prefix_cache_hits": ("prompt tokens found in the prefix cache",
-                                  s.prefix_cache_hit_tokens),
-            "preemptions": ("requests preempted for lack of KV blocks", s.num_preemptions),
-            "prompt_tokens": ("prompt tokens processed", s.num_prompt_tokens),
-            "generation_tokens": ("tokens generated", s.num_generation_tokens),
-            "draft_tokens": ("draft tokens verified (semantic cache, prompt lookup)",
-                             s.num_draft_tokens),
-            "draft_accepted_tokens": ("draft tokens the model agreed with",
-                                      s.num_accepted_tokens),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(f"kvstack_{name}", doc, value=value)
+        for name, (doc, read) in _GAUGES.items():
+            yield GaugeMetricFamily(f"kvstack_{name}", doc, value=read(s))
+        for name, (doc, read) in _COUNTERS.items():
+            yield CounterMetricFamily(f"kvstack_{name}", doc, value=read(s))
+
+
+def _labelled(by_replica: dict[str, EngineStats]) -> Iterator[Metric]:
+    for kinds, family in ((_GAUGES, GaugeMetricFamily), (_COUNTERS, CounterMetricFamily)):
+        for name, (doc, read) in kinds.items():
+            metric = family(f"kvstack_{name}", doc, labels=["replica"])
+            for replica, s in sorted(by_replica.items()):
+                metric.add_metric([replica], read(s))
+            yield metric
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLM) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         self.ttft = Histogram("kvstack_time_to_first_token_seconds",
@@ -72,6 +88,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.finished = Counter("kvstack_requests_finished", "requests finished, by reason",
                                 ["finish_reason"], registry=self.registry)
+        # Told of every finished request too (the live view's latency percentiles).
+        self.listeners: list[Callable[[RequestOutput], None]] = []
 
     def observe(self, out: RequestOutput) -> None:
         """Record a finished request and its timings."""
@@ -83,6 +101,8 @@ class ServerMetrics:
             self.tpot.observe(m.tpot)
         if m.last_token_time is not None:
             self.e2e.observe(m.last_token_time - m.arrival_time)
+        for listener in self.listeners:
+            listener(out)
 
     def observe_abort(self) -> None:
         self.finished.labels("abort").inc()

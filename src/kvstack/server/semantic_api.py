@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import re
 import time
@@ -27,7 +26,7 @@ from kvstack.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvstack.sampling_params import SamplingParams
 from kvstack.semantic.cache import Lookup, SemanticCache, SemanticCacheConfig
 from kvstack.semantic.entry import Answer, Scope, digest
-from kvstack.server.auth import AuthTenant, Tenant
+from kvstack.server.auth import AuthTenant, Tenant, tenant_id
 from kvstack.server.errors import ApiError
 
 logger = logging.getLogger("kvstack.server")
@@ -36,13 +35,6 @@ HEADER = "x-kvstack-semantic-cache"
 _LOOKUP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 router = APIRouter()
-
-
-def tenant_id(tenant: Tenant) -> str:
-    """A tenant's id in the cache and its admin route: never the API key itself."""
-    if not tenant.key:
-        return "public"
-    return "t-" + hashlib.sha256(tenant.key.encode()).hexdigest()[:16]
 
 
 class SemanticMetrics:
@@ -63,11 +55,15 @@ class SemanticMetrics:
                                  buckets=_LOOKUP_BUCKETS, registry=registry)
         entries = Gauge(f"{prefix}_entries", "entries in the semantic cache", registry=registry)
         entries.set_function(lambda: len(cache))
+        self.num_lookups = 0  # the counters above, as plain numbers for the live view
+        self.num_hits = 0
 
     def observe(self, lookup: Lookup) -> None:
         self.lookups.inc()
+        self.num_lookups += 1
         if lookup.hit:
             self.hits.inc()
+            self.num_hits += 1
         self.guard_rejections.inc(len(lookup.rejections))
         self.latency.observe(lookup.seconds)
 

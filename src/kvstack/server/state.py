@@ -10,16 +10,17 @@ from typing import Any
 
 from fastapi import Request
 
-from kvstack.engine.async_llm import AsyncLLM
 from kvstack.errors import InvalidRequestError, PromptTooLongError
 from kvstack.sampling_params import SamplingParams
 from kvstack.semantic.cache import SemanticCacheConfig
 from kvstack.server.auth import KeyRing
+from kvstack.server.engine_client import EngineClient
 from kvstack.server.errors import ApiError
 from kvstack.server.generation import Generation, OutputStream
 from kvstack.server.metrics import ServerMetrics
 from kvstack.server.protocol import ExtraSampling
 from kvstack.server.semantic_api import Probe, SemanticService
+from kvstack.ui.service import UiService
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
 
@@ -36,6 +37,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies get 413
     cache_ttl_scale: float = 1.0  # multiplies cache_control TTLs ("5m", "1h"); tests shrink it
     semantic: SemanticCacheConfig | None = None  # None: no semantic cache
+    ui: bool = True  # serve the live view of the cache at /ui
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -51,7 +53,7 @@ class ServerConfig:
 class ServerState:
     """What every route needs: the engine, its tokenizer and limits, keys and metrics."""
 
-    def __init__(self, engine: AsyncLLM, keys: KeyRing, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, keys: KeyRing, config: ServerConfig) -> None:
         if engine.tokenizer is None:
             raise InvalidRequestError("the server needs a tokenizer; load the model with one")
         info = engine.info
@@ -68,6 +70,7 @@ class ServerState:
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
         self.semantic: SemanticService | None = None  # set by create_app
+        self.ui: UiService | None = None  # the live view, set by create_app
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:

@@ -52,6 +52,16 @@ class TierStats:
         """Load bandwidth: payload bytes over time spent loading and checking them."""
         return self.bytes_loaded / self.load_seconds if self.load_seconds else None
 
+    def __getstate__(self) -> dict[str, object]:
+        # Counters travel between processes (a cluster replica's stats); a lock cannot.
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def snapshot(self) -> TierStats:
         with self._lock:
             return TierStats(self.name, self.hits, self.misses, self.stores, self.bytes_loaded,
@@ -113,4 +123,9 @@ class BlockTiers(Protocol):
     def offload(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
         """Write these newly complete (block id, hash) blocks through to the tiers, off the
         step thread; never blocks (a full queue drops and counts)."""
+        ...
+
+    def presence(self, hashes: Sequence[BlockHash]) -> list[tuple[str, ...]]:
+        """For each hash, the tiers known to hold it (names), from what this process wrote
+        and loaded: no tier is asked, so it is cheap enough for a view refreshed each second."""
         ...

@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,7 @@ from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.kv.tiers.base import KVTier, TierStats
 from kvstack.kv.tiers.codec import BlockFault, BlockFormat
 from kvstack.kv.tiers.disk import DiskTier
+from kvstack.kv.tiers.presence import TierPresence
 from kvstack.kv.tiers.redis_tier import RedisTier
 
 _REMEMBERED = 1 << 16  # hashes known to be stored already, so re-published blocks are skipped
@@ -44,9 +45,11 @@ class _Job:
 class _Writer:
     """One daemon thread storing jobs; `submit` never blocks unless asked to."""
 
-    def __init__(self, fmt: BlockFormat, max_bytes: int) -> None:
+    def __init__(self, fmt: BlockFormat, max_bytes: int,
+                 on_stored: Callable[[BlockHash, KVTier], None]) -> None:
         self.format = fmt
         self.max_bytes = max_bytes
+        self.on_stored = on_stored
         self._cond = threading.Condition()
         self._jobs: deque[_Job] = deque()
         self._bytes = 0
@@ -109,7 +112,8 @@ class _Writer:
             assert job.block is not None
             data = self.format.encode(job.block_hash, job.block.numpy())
         for tier in job.tiers:
-            tier.store(job.block_hash, data)
+            if tier.store(job.block_hash, data):
+                self.on_stored(job.block_hash, tier)
 
 
 def _shutdown(writer: _Writer, tiers: tuple[KVTier, ...]) -> None:
@@ -126,7 +130,12 @@ class TierChain:
         self.tiers = tuple(tiers)
         self.storage = storage
         self.format = fmt
-        self._writer = _Writer(fmt, queue_bytes)
+        presence = self._presence = TierPresence([t.name for t in self.tiers], _REMEMBERED)
+        tiers = self.tiers
+        # The writer must not reference the chain, or the finalizer below would never run.
+        self._writer = _Writer(fmt, queue_bytes,
+                               lambda block_hash, tier: presence.add(block_hash,
+                                                                     tiers.index(tier)))
         self._stored: OrderedDict[BlockHash, None] = OrderedDict()
         self._plan: tuple[tuple[BlockHash, ...], list[tuple[int, int, int]]] = ((), [])
         # Pending writes are flushed when the chain is closed, collected, or at interpreter exit.
@@ -188,8 +197,10 @@ class TierChain:
             except BlockFault as fault:
                 tier.stats.fault(fault.kind)
                 tier.discard(block_hash)
+                self._presence.clear([block_hash], index)
                 break
             self._remember(block_hash)
+            self._presence.add(block_hash, index)
             if index > 0:
                 self._writer.submit(_Job(block_hash, None, data, self.tiers[:index], len(data)))
         tier.stats.add(hits=len(payloads), bytes_loaded=len(payloads) * self.format.payload_bytes,
@@ -234,6 +245,12 @@ class TierChain:
         """Let these blocks be offloaded again (e.g. a tier lost them)."""
         for block_hash in hashes:
             self._stored.pop(block_hash, None)
+        self._presence.clear(hashes)
+
+    def presence(self, hashes: Sequence[BlockHash]) -> list[tuple[str, ...]]:
+        """For each hash, the tiers this process wrote it to or loaded it from (see
+        `presence.TierPresence`: no tier is asked)."""
+        return self._presence.of(hashes)
 
     def _remember(self, block_hash: BlockHash) -> None:
         self._stored[block_hash] = None
