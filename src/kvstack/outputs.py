@@ -71,6 +71,7 @@ class BlendUsage:
 PREFIX_CACHE = "prefix_cache"  # read from the memory prefix cache
 TIER = "tier"  # restored from a tier below the memory pool (disk, Redis)
 COMPUTED = "computed"  # computed by this request's prefill
+BLENDED = "blended"  # placed from a cached chunk and not recomputed (APPROXIMATE, `blend/`)
 # and where an output token came from (`Provenance.output`):
 DRAFT = "draft"  # a draft token the model verified and accepted (several in one step)
 MODEL = "model"  # sampled by the model (one per step, also after a verify step)

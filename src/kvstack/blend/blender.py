@@ -63,18 +63,19 @@ class BlendCounters:
     filled_chunks: int = 0  # entries computed after a miss or by precompute
 
 
-def blend_state(blender: Blender | None, spec: BlendSpec, token_ids: Sequence[int],
-                cache_salt: str | None, scores_prompt: bool, max_num_batched_tokens: int,
-                num_scored: int = 0) -> BlendState:
-    """A blended request's state, after every check (raises BlendError)."""
+def blend_state(blender: Blender | None, spec: BlendSpec | None, token_ids: Sequence[int],
+                cache_salt: str | None, scores_prompt: bool, num_scored: int = 0
+                ) -> BlendState | None:
+    """A blended request's state, after every check (raises BlendError); None: no `spec`."""
+    if spec is None:
+        return None
     if blender is None:
         raise BlendError("blending needs the paged KV cache, not window mode nor int4 K/V; "
                          "turn the KV cache on, drop kv_window, or pick another kv_cache_dtype")
     if scores_prompt:
         raise BlendError("prompt_logprobs needs every prompt position computed; a blended "
                          "request reuses most of them: drop one or the other")
-    return blender.request_state(spec, token_ids, cache_salt, max_num_batched_tokens,
-                                 num_scored)
+    return blender.request_state(spec, token_ids, cache_salt, num_scored)
 
 
 class Blender:
@@ -95,7 +96,7 @@ class Blender:
     # -- admission --------------------------------------------------------------------------
 
     def request_state(self, spec: BlendSpec, token_ids: Sequence[int], cache_salt: str | None,
-                      max_num_batched_tokens: int, num_scored: int = 0) -> BlendState:
+                      num_scored: int = 0) -> BlendState:
         """Check a blended request; its state, chunks not looked up yet."""
         c = self.model.config
         check_spans(spec.chunks, len(token_ids))
@@ -106,6 +107,7 @@ class Blender:
         if spec.params.check_layer >= c.num_layers:
             raise BlendError(f"check_layer must be below the model's {c.num_layers} layers, "
                              f"got {spec.params.check_layer}")
+        max_num_batched_tokens = self.max_fill_tokens
         if spec.chunks and len(token_ids) - spec.chunks[0][0] > max_num_batched_tokens:
             raise BlendError(
                 f"the prompt from its first chunk on ({len(token_ids) - spec.chunks[0][0]} "

@@ -40,7 +40,7 @@ class Chunk:
             object.__setattr__(self, "token_ids", tuple(self.token_ids))
 
 
-Segment = str | Chunk
+Segment = str | Chunk | Sequence[int]  # text, text as token ids, or a chunk
 
 
 @dataclass(frozen=True)

@@ -173,8 +173,9 @@ class BlendPlan:
         return out
 
     def _record(self) -> None:
-        usage = self.state.record(self.num_layers, int(self.region.placed.shape[0]),
-                                  int(self.placed_alive.sum()), self.row_layers)
+        reused = self.region.placed[~self.placed_alive].tolist()
+        usage = self.state.record(self.num_layers, reused, int(self.placed_alive.sum()),
+                                  self.row_layers)
         if usage is not None and self.on_usage is not None:
             self.on_usage(usage)
 

@@ -30,9 +30,10 @@ _MARK = "\ue000kvstack-chunk-{}\ue001"  # private-use characters: never in a rea
 
 def tokenize_segments(tokenizer: Any, segments: Sequence[Segment]
                       ) -> tuple[list[int], list[tuple[int, int]]]:
-    """(token ids, [start, end) span of each chunk) of a segment list."""
+    """(token ids, [start, end) span of each chunk) of a segment list: strings, lists of
+    token ids (text already tokenized) and Chunks."""
     if isinstance(segments, (str, Chunk)) or not isinstance(segments, Sequence):
-        raise BlendError("segments must be a list of strings and Chunks")
+        raise BlendError("segments must be a list of strings, token id lists and Chunks")
     ids: list[int] = []
     spans: list[tuple[int, int]] = []
     for i, segment in enumerate(segments):
@@ -44,9 +45,12 @@ def tokenize_segments(tokenizer: Any, segments: Sequence[Segment]
             spans.append((len(ids), len(ids) + len(part)))
         elif isinstance(segment, str):
             part = _encode(tokenizer, segment) if segment else []
+        elif isinstance(segment, (list, tuple)) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in segment):
+            part = list(segment)  # a text segment given as token ids
         else:
-            raise BlendError(f"segments[{i}] is a {type(segment).__name__}; give a string or "
-                             "a Chunk")
+            raise BlendError(f"segments[{i}] is a {type(segment).__name__}; give a string, "
+                             "a list of token ids or a Chunk")
         ids.extend(part)
     if not ids:
         raise BlendError("the segment list has no text; give at least one non-empty segment")

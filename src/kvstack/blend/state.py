@@ -40,6 +40,9 @@ class BlendState:
         self.prefix_len = 0  # exact prefix-cache hit at the latest admission
         self.region_start: int | None = None  # None: nothing to place (an ordinary prefill)
         self.usage: BlendUsage | None = None  # set by the first blended step
+        # Prompt positions whose K/V stayed placed (reused, not recomputed), as [start, end)
+        # runs; set with `usage` (the request's provenance shows them as `outputs.BLENDED`).
+        self.reused_runs: list[tuple[int, int]] = []
 
     @property
     def resolved(self) -> bool:
@@ -95,7 +98,7 @@ class BlendState:
         end = self.chunks[-1][1] if self.chunks else 0
         return min(end, self.num_prompt_tokens - 1)
 
-    def record(self, num_layers: int, num_reused: int, num_recomputed: int,
+    def record(self, num_layers: int, reused: list[int], num_recomputed: int,
                region_row_layers: int) -> BlendUsage | None:
         """What the first blended step did (a resumed request's rerun changes nothing);
         returns the usage when it is new."""
@@ -104,6 +107,12 @@ class BlendState:
         past = [entry for (_, end), entry in zip(self.chunks, self.entries, strict=True)
                 if end > self.prefix_len]
         exact_rows = (self.region_start - self.prefix_len) * num_layers
+        num_reused = len(reused) + num_recomputed
+        for p in reused:  # ascending positions of the placed tokens kept as placed
+            if self.reused_runs and self.reused_runs[-1][1] == p:
+                self.reused_runs[-1] = (self.reused_runs[-1][0], p + 1)
+            else:
+                self.reused_runs.append((p, p + 1))
         self.usage = BlendUsage(
             chunks_hit=sum(e is not None for e in past),
             chunks_missed=sum(e is None for e in past),

@@ -57,8 +57,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.blender = parts.blender  # chunk cache and blended steps (`blend/`)
-        self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), self.window,
-                                  self.blender)
+        self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), self.window, self.blender)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
@@ -90,9 +89,8 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue a request. Raises a KvstackError subclass on bad input.
 
-        `blend`: reuse the K/V of the prompt's chunks from the chunk cache (APPROXIMATE;
-        `blend/`). `num_scored`: keep the log-prob rows of the last prompt positions
-        (`Request.scored`).
+        `blend`: reuse the prompt's chunks' K/V (APPROXIMATE, `blend/`). `num_scored`: keep
+        the log-prob rows of the last prompt positions (`Request.scored`).
 
         `draft_token_ids`: a guess at the output, verified against the model's own greedy
         choices (only the agreeing prefix is kept; greedy requests without penalties only,
@@ -122,9 +120,8 @@ class LLMEngine:
                                                sampling_params.skip_special_tokens),
             cache_salt=cache_salt,
             draft_token_ids=self._draft(draft_token_ids, max_tokens),
-            blend=None if blend is None else blend_state(
-                self.blender, blend, token_ids, cache_salt, sampling_params.prompt_logprobs
-                is not None, self.config.scheduler.max_num_batched_tokens, num_scored),
+            blend=blend_state(self.blender, blend, token_ids, cache_salt,
+                              sampling_params.prompt_logprobs is not None, num_scored),
             num_scored=min(max(num_scored, 0), len(token_ids)),
         )
         self.requests[request_id] = request
@@ -194,9 +191,6 @@ class LLMEngine:
         result = self.runner.run(batch)
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(batch, result.prompt_logprobs)
-        for s, scored in zip(batch.scheduled, result.scored or [], strict=False):
-            if scored is not None:
-                s.request.record_scores(*scored)
         # Tokens first (a block's hash needs its tokens), then the computed counts and the
         # blocks they complete, then the finishes: a finished request's blocks are published
         # before they are freed.
@@ -404,5 +398,3 @@ class LLMEngine:
     def check_integrity(self) -> None:
         if self.kv_manager is not None:
             self.kv_manager.check_integrity()
-
-

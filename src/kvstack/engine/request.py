@@ -12,7 +12,14 @@ from kvstack.blend.state import BlendState
 from kvstack.drafts.verify import FIRST_WINDOW
 from kvstack.engine.detokenizer import IncrementalDetokenizer
 from kvstack.layers.sampler import SamplingState
-from kvstack.outputs import COMPUTED, PREFIX_CACHE, TIER, Provenance, RequestMetrics
+from kvstack.outputs import (
+    BLENDED,
+    COMPUTED,
+    PREFIX_CACHE,
+    TIER,
+    Provenance,
+    RequestMetrics,
+)
 from kvstack.sampling_params import SamplingParams
 
 
@@ -117,8 +124,13 @@ class Request:
     def provenance(self) -> Provenance:
         """Where the prompt's K/V and the output tokens came from (see `outputs.Provenance`)."""
         cached = max(self.num_cached_tokens, 0)
-        runs = ((PREFIX_CACHE, cached - self.num_restored_tokens),
-                (TIER, self.num_restored_tokens), (COMPUTED, self.num_prompt_tokens - cached))
+        runs = [(PREFIX_CACHE, cached - self.num_restored_tokens),
+                (TIER, self.num_restored_tokens)]
+        at = cached
+        for start, end in self.blend.reused_runs if self.blend is not None else ():
+            runs += [(COMPUTED, start - at), (BLENDED, end - start)]
+            at = end
+        runs.append((COMPUTED, self.num_prompt_tokens - at))
         return Provenance(tuple((s, n) for s, n in runs if n > 0),
                           tuple((str(s), int(n)) for s, n in self.output_sources))
 

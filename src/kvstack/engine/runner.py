@@ -40,9 +40,6 @@ class StepResult:
     # Per scheduled request: (first prompt index scored, log-probs) when it asked for
     # prompt logprobs and this step computed prompt positions; else None.
     prompt_logprobs: list[tuple[int, list[float]] | None] | None = None
-    # Per scheduled request: (first scored row index, log-prob rows [n, vocab]) when it asked
-    # for scored positions (`Request.num_scored`) and this step computed some; else None.
-    scored: list[tuple[int, torch.Tensor] | None] | None = None
 
 
 class ModelRunner:
@@ -66,7 +63,7 @@ class ModelRunner:
         hidden = self.model.forward(input_ids, positions, meta, self.kv_storage)
         result = StepResult([None] * len(batch.scheduled))
         if any(s.request.num_scored for s in batch.scheduled):
-            result.scored = self._scored(batch, hidden)
+            self._record_scores(batch, hidden)
         if any(s.request.sampling_params.prompt_logprobs is not None for s in batch.scheduled):
             result.prompt_logprobs = self._prompt_logprobs(batch, hidden, input_ids)
         if sample_rows.numel():
@@ -122,10 +119,9 @@ class ModelRunner:
             row += s.num_new_tokens
         return out
 
-    def _scored(self, batch: SchedulerOutput, hidden: torch.Tensor
-                ) -> list[tuple[int, torch.Tensor] | None]:
-        """Log-prob rows of the scored prompt positions each request computed this step."""
-        out: list[tuple[int, torch.Tensor] | None] = []
+    def _record_scores(self, batch: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Log-prob rows of the scored prompt positions each request computed this step, into
+        the request (`Request.record_scores`)."""
         row = 0
         for s in batch.scheduled:
             r = s.request
@@ -134,11 +130,8 @@ class ModelRunner:
             hi = min(r.num_prompt_tokens, r.num_computed_tokens + s.num_new_tokens)
             if r.num_scored and lo < hi:
                 rows = hidden[row + lo - r.num_computed_tokens: row + hi - r.num_computed_tokens]
-                out.append((lo - first, torch.log_softmax(self.model.compute_logits(rows), -1)))
-            else:
-                out.append(None)
+                r.record_scores(lo - first, torch.log_softmax(self.model.compute_logits(rows), -1))
             row += s.num_new_tokens
-        return out
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Slots of token positions [start, end) of a sequence with these blocks."""

@@ -246,14 +246,12 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, request: KVRequest, max_tokens: int | None = None) -> None:
         """Publish the request's newly completed full blocks in the prefix cache, and write
-        them through to the tiers; only blocks within its first `max_tokens` tokens (a blended
-        request's K/V past that are approximate, `blend/`)."""
+        them through to the tiers; only within its first `max_tokens` tokens (blending)."""
         if not self.enable_prefix_caching:
             return
         table = self._table(request.request_id)
-        num_computed = request.num_computed_tokens
-        num_full = (num_computed if max_tokens is None else min(num_computed, max_tokens)
-                    ) // self.block_size
+        limit = request.num_computed_tokens if max_tokens is None else max_tokens
+        num_full = min(request.num_computed_tokens, limit) // self.block_size
         if len(table.block_hashes) < num_full:
             # Runs once per newly full block, not every step: no copy of the sequence otherwise.
             table.block_hashes = hash_full_blocks(
