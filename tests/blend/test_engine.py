@@ -15,7 +15,7 @@ from kvstack import LLM, BlendParams, Chunk, SamplingParams
 from kvstack.blend.entry import ChunkEntry, chunk_key
 from kvstack.kv.storage import KVCacheStorage
 from kvstack.layers.attention import AttentionMetadata, PrefillSpan
-from kvstack.outputs import BLENDED, COMPUTED, PREFIX_CACHE
+from kvstack.outputs import BLENDED, COMPUTED
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
