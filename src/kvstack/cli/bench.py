@@ -28,6 +28,8 @@ CASES = {
     "cluster": "routing policies on a 2-replica Ray Serve cluster (hit rate by source, TTFT, "
                "TPOT, throughput, imbalance, decision time); --simulate: 16-256 replicas",
     "ui": "what the live view (/ui) costs: decode tok/s with 0 vs 5 open pages, snapshot time",
+    "rag": "TTFT of 6 reordered ~300-token documents: full prefill vs prefix cache vs "
+           "blending (approximate; KL vs full prefill)",
 }
 # `all` runs these: the cluster case needs Ray and redis-server and takes most of an hour.
 ALL_CASES = [name for name in CASES if name != "cluster"]
