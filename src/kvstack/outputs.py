@@ -107,6 +107,6 @@ class RequestOutput:
     # Draft tokens verified for this request (fed to the model) and how many were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    # A blended request's chunk reuse (None: not blended, or nothing was placed).
+    # A blended request's chunk reuse (None: not blended, or not admitted yet).
     blend: BlendUsage | None = None
     provenance: Provenance = field(default_factory=Provenance)

@@ -98,6 +98,15 @@ class BlendState:
         end = self.chunks[-1][1] if self.chunks else 0
         return min(end, self.num_prompt_tokens - 1)
 
+    def final_usage(self) -> BlendUsage | None:
+        """The usage of a request that ran: its blended step's, or, when no chunk past the
+        exact prefix hit (an ordinary exact prefill), the misses alone; None before it ran."""
+        if self.usage is not None or self.entries is None:
+            return self.usage
+        past = [e for (_, end), e in zip(self.chunks, self.entries, strict=True)
+                if end > self.prefix_len]
+        return BlendUsage(0, len(past), 0, 0, 1 - self.prefix_len / self.num_prompt_tokens)
+
     def record(self, num_layers: int, reused: list[int], num_recomputed: int,
                region_row_layers: int) -> BlendUsage | None:
         """What the first blended step did (a resumed request's rerun changes nothing);

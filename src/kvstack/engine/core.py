@@ -316,7 +316,7 @@ class LLMEngine:
                              if sp.prompt_logprobs is not None else None),
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
-            blend=request.blend.usage if request.blend is not None else None,
+            blend=request.blend.final_usage() if request.blend is not None else None,
             provenance=request.provenance(),
         )
 

@@ -10,12 +10,19 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvstack.blend.params import BlendSpec
 from kvstack.engine.chat import chat_token_ids
 from kvstack.engine.tokenizer import check_token_ids
 from kvstack.errors import InvalidRequestError
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 from kvstack.server.auth import AuthTenant
+from kvstack.server.blend_api import (
+    blend_usage,
+    chat_with_documents,
+    check_blend_input,
+    completion_segments,
+)
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
 from kvstack.server.protocol import (
@@ -53,19 +60,26 @@ async def completions(request: Request, tenant: AuthTenant) -> JSONResponse | St
     state = server_state(request)
     body = await parse_body(request, CompletionRequest)
     state.check_model(body.model)
-    prompt_ids = _completion_prompt(state, body.prompt)
+    if (body.prompt is None) == (body.segments is None):
+        raise ApiError(400, "give prompt or segments, exactly one of them", param="prompt")
+    check_blend_input(bool(body.segments), body.blend, "segments with chunks")
+    blend = None
+    if body.segments is not None:
+        prompt_ids, blend = completion_segments(state.tokenizer, body.segments, body.blend)
+    else:
+        prompt_ids = _completion_prompt(state, body.prompt)
     params = _sampling(state, body, len(prompt_ids), body.max_tokens, default_max_tokens=16,
                        logprobs=body.logprobs)
     echo = state.tokenizer.decode(prompt_ids) if body.echo else ""
     probe = None
-    if state.semantic is not None:
+    if state.semantic is not None and body.segments is None:
         probe = await state.semantic.probe(tenant, "openai.completions",
                                            _completion_text(body.prompt), None, params,
                                            body.max_tokens, body.semantic_cache,
                                            body.cache_salt)
     wire = _OpenAIWire(state, "cmpl", "text_completion", len(prompt_ids), body, probe, echo)
     return await _answer(request, state, wire, prompt_ids, params,
-                         tenant.cache_salt(body.cache_salt), body, probe)
+                         tenant.cache_salt(body.cache_salt), body, probe, blend)
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -75,7 +89,13 @@ async def chat_completions(request: Request,
     body = await parse_body(request, ChatCompletionRequest)
     state.check_model(body.model)
     messages = [_chat_message(i, m) for i, m in enumerate(body.messages)]
-    prompt_ids = chat_token_ids(state.tokenizer, messages)
+    check_blend_input(bool(body.documents), body.blend, "documents")
+    blend = None
+    if body.documents:
+        prompt_ids, blend = chat_with_documents(state.tokenizer, messages, body.documents,
+                                                body.blend)
+    else:
+        prompt_ids = chat_token_ids(state.tokenizer, messages)
     if body.top_logprobs:
         raise ApiError(400, "top_logprobs is not supported; give 0 or leave it out",
                        param="top_logprobs")
@@ -84,19 +104,20 @@ async def chat_completions(request: Request,
     params = _sampling(state, body, len(prompt_ids), max_tokens,
                        logprobs=0 if body.logprobs else None)
     probe = None
-    if state.semantic is not None:
+    if state.semantic is not None and not body.documents:  # answers depend on the documents
         key_text, context = split_conversation(messages)
         probe = await state.semantic.probe(tenant, "openai.chat", key_text, context, params,
                                            max_tokens, body.semantic_cache, body.cache_salt)
     wire = _OpenAIWire(state, "chatcmpl", "chat.completion", len(prompt_ids), body, probe)
     return await _answer(request, state, wire, prompt_ids, params,
-                         tenant.cache_salt(body.cache_salt), body, probe)
+                         tenant.cache_salt(body.cache_salt), body, probe, blend)
 
 
 async def _answer(request: Request, state: ServerState, wire: _OpenAIWire,
                   prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-                  body: OpenAISampling, probe: Probe | None) -> JSONResponse | StreamingResponse:
-    stream = state.start(prompt_ids, params, wire.id, cache_salt, probe)
+                  body: OpenAISampling, probe: Probe | None, blend: BlendSpec | None = None
+                  ) -> JSONResponse | StreamingResponse:
+    stream = state.start(prompt_ids, params, wire.id, cache_salt, probe, blend)
     return await respond(request, stream, wire, bool(body.stream), probe)
 
 
@@ -228,6 +249,8 @@ class _OpenAIWire:
             "total_tokens": self.num_prompt_tokens + num_out,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
         }
+        if (blended := blend_usage(out)) is not None:
+            usage["blend"] = blended
         if self.probe is not None:
             usage["semantic_cache_hit"] = self.probe.hit
             usage["semantic_cache"] = self.probe.usage(out)
