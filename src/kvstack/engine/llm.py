@@ -175,7 +175,7 @@ class LLM:
                       ) -> tuple[str | list[int], BlendSpec | None]:
         if isinstance(prompt, dict) and "segments" in prompt:
             ids, chunks = tokenize_segments(self.engine.tokenizer, prompt["segments"])
-            return ids, BlendSpec(blend, tuple(chunks)) if blend is not None else None
+            return ids, BlendSpec(blend, tuple(chunks)) if blend is not None and chunks else None
         return _prompt_input(prompt), None
 
     def score(self, prompts: PromptType | Sequence[PromptType], num_positions: int = 1,
