@@ -58,3 +58,19 @@ def test_eval_blend_one_item(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert rows["full_prefill"]["kl"]["mean"] == pytest.approx(0, abs=1e-6)
     assert rows["full_prefill"]["top1"]["mean"] == 1
     assert rows["full_reuse"]["compute"]["mean"] < rows["kv_dev_0.15"]["compute"]["mean"] < 1
+
+
+@pytest.mark.slow
+def test_cache_warm_chunks_then_held(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files = []
+    for i, text in enumerate(("The harbor town of Velm ships salt.", "Velm has a lighthouse.")):
+        files.append(tmp_path / f"c{i}.txt")
+        files[-1].write_text(text)
+    argv = ["cache", "warm", "--chunk", *map(str, files), "--kv-disk-dir", str(tmp_path / "kv"),
+            "--kv-cache-memory", "32MiB", "--threads", "1"]
+    assert main(argv) == 0
+    assert "warmed 2 chunk entries (0 held already)" in capsys.readouterr().out
+    assert main(argv) == 0  # a fresh engine finds both in the disk tier
+    assert "warmed 0 chunk entries (2 held already)" in capsys.readouterr().out
+    assert main(["cache", "ls", "--kv-disk-dir", str(tmp_path / "kv")]) == 0
+    assert capsys.readouterr().out.count("chunk entry") == 2
