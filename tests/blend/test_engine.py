@@ -27,7 +27,8 @@ QUESTION = torch.randint(3, 256, (9,), generator=_g).tolist()
 SELECTIONS = [BlendParams(recompute_ratio=r, selector=s, check_layer=c)
               for r, s, c in [(0.0, "kv_deviation", 1), (0.15, "kv_deviation", 1),
                               (0.3, "kv_deviation", 2), (0.15, "first_k", 1),
-                              (0.15, "random", 1), (0.15, "attention", 1), (0.2, "impact", 0)]]
+                              (0.15, "random", 1), (0.15, "attention", 1), (0.2, "impact", 0),
+                              (0.15, "first_k_deviation", 1)]]
 
 
 def engine(folder: Path, **kwargs: Any) -> LLM:
@@ -60,7 +61,8 @@ def warm(llm: LLM, docs: list[int]) -> None:
 
 def test_ratio_one_is_full_prefill(llm: LLM) -> None:
     full = llm.score(flat([0, 1, 2]), num_positions=4)[0].logprobs
-    for selector in ("kv_deviation", "first_k", "random", "attention", "impact"):
+    for selector in ("kv_deviation", "first_k", "random", "attention", "impact",
+                     "first_k_deviation"):
         warm(llm, [0, 1, 2])
         out = llm.score(segments([0, 1, 2]), 4, BlendParams(recompute_ratio=1.0,
                                                            selector=selector))[0]
@@ -165,3 +167,19 @@ def test_missed_chunk_between_hits_is_computed_then_cached(llm: LLM) -> None:
     assert one.blend is not None and one.blend.chunks_hit == 3  # the miss was cached after
     assert tokens(one) == tokens(llm.generate(flat([0, 1, 2]), GREEDY)[0])
     llm.engine.check_integrity()
+
+
+def test_first_k_deviation_keeps_each_chunks_first_tokens(llm: LLM) -> None:
+    warm(llm, [0, 1, 2])
+    out = llm.generate(segments([0, 1, 2]), GREEDY, blend=BlendParams(
+        selector="first_k_deviation", recompute_ratio=0.2))[0]
+    assert out.blend is not None and out.blend.recomputed_tokens == 20  # 0.2 x 102, rounded
+    runs, at, blended = out.provenance.prompt, 0, set()
+    for source, count in runs:
+        if source == BLENDED:
+            blended |= set(range(at, at + count))
+        at += count
+    start = len(TEMPLATE)
+    for i in (0, 1, 2):
+        assert not blended & set(range(start, start + 4))  # each chunk's first 4 recomputed
+        start += len(DOCS[i])

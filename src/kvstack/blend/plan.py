@@ -19,7 +19,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvstack.blend.rotary import Rotary
-from kvstack.blend.selectors import DYNAMIC, STATIC, Check, keep_count, static_choice, top
+from kvstack.blend.selectors import (
+    DYNAMIC,
+    FIRST_K_DEFAULT,
+    STATIC,
+    Check,
+    keep_count,
+    static_choice,
+    top,
+)
 from kvstack.blend.state import BlendState, Placement
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.layers.attention import AttentionMetadata
@@ -138,8 +146,13 @@ class BlendPlan:
             keep[static_choice(params.selector, params.recompute_ratio, params.first_k,
                                params.seed, sizes)] = True
             return keep
-        candidates = torch.nonzero(self.placed_alive & ~self.region.forced).flatten()
-        num = max(0, self.target - int(self.region.forced.sum()))
+        pre = self.region.forced.clone()
+        if params.selector == "first_k_deviation":  # each chunk's first tokens, then deviation
+            sizes = [c.count for c in self.region.placements]
+            pre[static_choice("first_k", 0.0, params.first_k or FIRST_K_DEFAULT, 0, sizes)] = True
+            keep |= pre & ~self.region.forced
+        candidates = torch.nonzero(self.placed_alive & ~pre).flatten()
+        num = max(0, self.target - int(pre.sum()))
         rows = torch.searchsorted(self.alive, self.placed_rows[candidates])
         placed_k, placed_v = self.placed_kv(layer, candidates)
         check = Check(k[rows], v[rows], placed_k, placed_v,

@@ -8,6 +8,9 @@ it, from the fresh K/V there against the placed ones:
 - `kv_deviation` (CacheBlend): the tokens whose K and V deviate most (squared L2).
 - `attention` (question-aware, as ProphetKV): the tokens the question's queries attend to
   most at that layer (summed over heads and question tokens).
+- `first_k_deviation`: each chunk's first `first_k` tokens (default 4: a chunk's first tokens
+  deviate most, they played the sink role when it was computed alone), then the rest of the
+  budget by `kv_deviation`.
 - `impact`: attention times value deviation: for each KV head, the attention the question
   pays a token times how far its placed value is from the fresh one, summed over heads: an
   estimate of how much the question's attention output moves when the token is not
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 STATIC = ("first_k", "random")
+FIRST_K_DEFAULT = 4  # first_k_deviation's tokens per chunk when first_k is not given
 
 
 @dataclass
@@ -55,6 +59,7 @@ def _impact(check: Check) -> torch.Tensor:
 
 DYNAMIC: dict[str, Callable[[Check], torch.Tensor]] = {
     "kv_deviation": _deviation,
+    "first_k_deviation": _deviation,
     "attention": _attention,
     "impact": _impact,
 }

@@ -33,9 +33,12 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "random_0.15": {"selector": "random", "recompute_ratio": 0.15},
     "attention_0.15": {"selector": "attention", "recompute_ratio": 0.15},
     "impact_0.15": {"selector": "impact", "recompute_ratio": 0.15},
+    "first_k_dev_0.15": {"selector": "first_k_deviation", "recompute_ratio": 0.15},
+    "first_k_dev_0.1": {"selector": "first_k_deviation", "recompute_ratio": 0.1},
 }
 PAIRS = (("kv_dev_0.15", "random_0.15"), ("attention_0.15", "kv_dev_0.15"),
-         ("impact_0.15", "kv_dev_0.15"), ("first_k_8", "kv_dev_0.15"))
+         ("impact_0.15", "kv_dev_0.15"), ("first_k_8", "kv_dev_0.15"),
+         ("first_k_dev_0.15", "kv_dev_0.15"))
 INSTRUCTION = "Answer the question using the documents.\n\n"
 
 
