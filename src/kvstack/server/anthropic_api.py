@@ -17,10 +17,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvstack.blend.params import BlendParams, BlendSpec
+from kvstack.blend.segments import mark
 from kvstack.engine.chat import chat_token_ids
 from kvstack.errors import InvalidRequestError
 from kvstack.outputs import RequestOutput
 from kvstack.server.auth import AuthTenant
+from kvstack.server.blend_api import (
+    blend_usage,
+    check_blend_input,
+    document_block_text,
+    segment_ids,
+)
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
 from kvstack.server.protocol import CacheControl, ContentBlock, MessagesRequest
@@ -45,13 +53,13 @@ async def messages(request: Request, tenant: AuthTenant) -> JSONResponse | Strea
                                    stop=body.stop_sequences)
     salt = tenant.cache_salt(body.cache_salt)
     probe = None
-    if state.semantic is not None:
+    if state.semantic is not None and not prompt.chunks:  # answers depend on the documents
         key_text, context = _semantic_key(body)
         probe = await state.semantic.probe(tenant, "anthropic.messages", key_text, context,
                                            params, body.max_tokens, body.semantic_cache,
                                            body.cache_salt)
     wire = _AnthropicWire(state, prompt, salt, probe)
-    stream = state.start(prompt.token_ids, params, wire.id, salt, probe)
+    stream = state.start(prompt.token_ids, params, wire.id, salt, probe, prompt.blend)
     return await respond(request, stream, wire, bool(body.stream), probe)
 
 
@@ -62,6 +70,8 @@ async def messages(request: Request, tenant: AuthTenant) -> JSONResponse | Strea
 class _Prompt:
     token_ids: list[int]
     breakpoints: list[tuple[int, float]]  # (prefix length in tokens, TTL in seconds)
+    chunks: list[tuple[int, int]]  # spans of document / search_result blocks
+    blend: BlendSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -78,20 +88,21 @@ def _build_prompt(state: ServerState, body: MessagesRequest) -> _Prompt:
         raise InvalidRequestError("messages is empty; give at least one message")
     system: list[str] = []  # tools, then system blocks: the order Anthropic caches them in
     marks: list[tuple[_Cut, CacheControl]] = []
+    docs: list[str] = []  # document blocks' chunk texts; their content holds mark(i)
     for tool in body.tools or []:
         system.append(json.dumps({"name": tool.name, "description": tool.description,
                                   "input_schema": tool.input_schema}, ensure_ascii=False))
         if tool.cache_control:
             marks.append((_Cut(len(system), 0), tool.cache_control))
     for block in _blocks(body.system, "system"):
-        system.append(_text(block, "system"))
+        system.append(_text(block, "system", docs))
         if block.cache_control:
             marks.append((_Cut(len(system), 0), block.cache_control))
     turns: list[tuple[str, list[str]]] = []
     for i, message in enumerate(body.messages):
         texts = []
         for j, block in enumerate(_blocks(message.content, f"messages[{i}]")):
-            texts.append(_text(block, f"messages[{i}].content[{j}]"))
+            texts.append(_text(block, f"messages[{i}].content[{j}]", docs))
             if block.cache_control:
                 marks.append((_Cut(len(system), i, j + 1), block.cache_control))
         turns.append((message.role, texts))
@@ -102,7 +113,7 @@ def _build_prompt(state: ServerState, body: MessagesRequest) -> _Prompt:
                             f"breakpoints; this one sets {len(marks)}")
     prefill = turns[-1][0] == "assistant"  # the model continues a final assistant turn
 
-    def render(cut: _Cut, final: bool) -> list[int]:
+    def render(cut: _Cut, final: bool) -> tuple[list[int], list[tuple[int, int]]]:
         messages = []
         if cut.num_system_parts:
             messages.append({"role": "system",
@@ -112,15 +123,20 @@ def _build_prompt(state: ServerState, body: MessagesRequest) -> _Prompt:
         if cut.num_blocks:
             role, texts = turns[cut.num_messages]
             messages.append({"role": role, "content": "\n".join(texts[: cut.num_blocks])})
+        if docs:  # each document tokenized alone (`blend/segments.py`)
+            return segment_ids(state.tokenizer, messages, docs, final, prefill)
         return chat_token_ids(state.tokenizer, messages, add_generation_prompt=final,
-                              continue_final_message=final and prefill)
+                              continue_final_message=final and prefill), []
 
-    token_ids = render(_Cut(len(system), len(turns)), final=True)
+    token_ids, chunks = render(_Cut(len(system), len(turns)), final=True)
     # Templates need not render a prefix of a conversation as a prefix of its tokens, so a
     # breakpoint covers what the partial and the full rendering share.
-    breakpoints = [(common_prefix_len(token_ids, render(cut, final=False)), TTL_SECONDS[c.ttl])
-                   for cut, c in marks]
-    return _Prompt(token_ids, breakpoints)
+    breakpoints = [(common_prefix_len(token_ids, render(cut, final=False)[0]),
+                    TTL_SECONDS[c.ttl]) for cut, c in marks]
+    check_blend_input(bool(chunks), body.blend, "document or search_result blocks")
+    blend = None if body.blend is None else BlendSpec(BlendParams.from_dict(body.blend),
+                                                      tuple(chunks))
+    return _Prompt(token_ids, breakpoints, chunks, blend)
 
 
 def _semantic_key(body: MessagesRequest) -> tuple[str | None, Any]:
@@ -145,7 +161,10 @@ def _blocks(content: str | list[ContentBlock] | None, where: str) -> list[Conten
     return content
 
 
-def _text(block: ContentBlock, where: str) -> str:
+def _text(block: ContentBlock, where: str, docs: list[str] | None = None) -> str:
+    if block.type in ("document", "search_result") and docs is not None:
+        docs.append(document_block_text(block, where))
+        return mark(len(docs) - 1)
     if block.type != "text":
         raise InvalidRequestError(
             f"{where}: content block type {block.type!r} is not supported; send text blocks"
@@ -188,6 +207,8 @@ class _Usage:
             "cache_read_input_tokens": self.num_cached_tokens,
             "output_tokens": 0 if out is None else len(out.outputs[0].token_ids),
         }
+        if out is not None and (blended := blend_usage(out)) is not None:
+            usage["blend"] = blended
         if self.probe is not None:
             usage["semantic_cache_hit"] = self.probe.hit
             if out is not None:

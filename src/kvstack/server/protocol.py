@@ -99,11 +99,15 @@ class CacheControl(_Body):
 
 
 class ContentBlock(_Body):
-    """Any content block; only text is supported, which the translation checks."""
+    """Any content block; text, `document` (a text source) and `search_result` are supported,
+    which the translation checks."""
 
     type: str
     text: str | None = None
     cache_control: CacheControl | None = None
+    source: dict[str, Any] | str | None = None  # document: {"type": "text", "data": ...}
+    title: str | None = None
+    content: list[dict[str, Any]] | None = None  # search_result: text blocks
 
 
 class AnthropicMessage(_Body):
@@ -130,3 +134,4 @@ class MessagesRequest(ExtraSampling):
     top_p: float | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
+    blend: dict[str, Any] | None = None  # document / search_result blocks become chunks
