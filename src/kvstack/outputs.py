@@ -54,6 +54,11 @@ class CompletionOutput:
     logprobs: list[float] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    # With `logprobs=k > 0`: per token, the k most likely (token id, log-probability) pairs at
+    # its position, most likely first.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With logprobs: their sum, the sequence's log-probability (best_of ranks by it).
+    cumulative_logprob: float | None = None
 
 
 @dataclass(frozen=True)

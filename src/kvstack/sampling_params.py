@@ -12,6 +12,8 @@ from kvstack.errors import InvalidRequestError
 # Below this temperature a request is decoded greedily: dividing logits by ~0 would only turn
 # sampling into a numerically fragile argmax.
 _GREEDY_TEMPERATURE = 1e-5
+# Alternatives reported per token with `logprobs=k` (OpenAI's top_logprobs allows up to 20).
+MAX_LOGPROBS = 20
 
 
 def _shown(value: Any) -> str:
@@ -48,6 +50,60 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output text (vLLM's names); give exactly one of:
+
+    `json`: a JSON schema (dict or its JSON text) the output must validate against;
+    `json_object`: any JSON object; `regex`: a regular expression the whole output matches;
+    `choice`: one of these strings exactly; `grammar`: a context-free grammar in Lark syntax
+    (llguidance's dialect) or GBNF (llama.cpp's).
+    `strict` (json only): True refuses a schema with a keyword the grammar engine cannot
+    enforce; False ignores such keywords (the output may then break them).
+    The engine compiles the constraint when the request is added (a bad or unsatisfiable one
+    is an `InvalidRequestError`) and masks every token that cannot continue it; a request
+    that samples the end-of-sequence token is complete under the constraint.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                         else [])
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured outputs take exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(given) or 'none'}")
+        _check_bool("json_object", self.json_object)
+        _check_bool("strict", self.strict)
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidRequestError(f"json must be a JSON schema object, got {_shown(self.json)}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{name} must be a non-empty string, got "
+                                          f"{_shown(value)}")
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError(
+                f"choice must be a non-empty list of non-empty strings, got {_shown(self.choice)}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
+@dataclass
 class SamplingParams:
     """Sampling and stopping settings of one request; validated on construction.
 
@@ -55,19 +111,24 @@ class SamplingParams:
     names the field and its valid range. After construction `stop` is always a list (empty when
     none) and `stop_token_ids` is a list or None.
 
-    `logprobs` accepts only 0 or 1 and both mean the same: report the log-probability of each
-    chosen token under the raw model distribution. Top alternatives are not computed, so larger
-    values are refused rather than silently answered with less than was asked.
+    `n` samples are returned for the prompt (`best_of` >= n are generated and the n with the
+    highest cumulative log-probability kept); the prompt is computed once and its KV blocks
+    shared, and sample i draws with seed `seed + i`, so it equals a request with that seed.
+    `logprobs=k` (0-20) reports the log-probability of each chosen token under the raw model
+    distribution and, for k > 0, the k most likely tokens at that position with theirs.
+    `structured_outputs` constrains the output (JSON schema, regex, choice, grammar).
     `prompt_logprobs` (0 or 1, same meaning) asks for the log-probability of each prompt token
     given the tokens before it (perplexity); such a request computes its whole prompt, so it
     neither takes nor needs a prefix-cache hit.
     `prompt_lookup=N` drafts up to N tokens at each step by copying what followed the last few
     tokens where they occurred earlier in the prompt or output; the engine verifies drafts, so
     a greedy output is the one it would be without them (`drafts/`). Greedy requests without
-    penalties only: other requests ignore drafts.
+    penalties only: other requests ignore drafts, and so do parallel samples and constrained
+    requests (a draft row would need the constraint's mask at each drafted position).
     """
 
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -85,10 +146,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_lookup: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n, "equal to 1 (parallel samples are not supported)",
-                   lambda n: n == 1)
+        _check_int("n", self.n, ">= 1", lambda n: n >= 1)
+        _check_int("best_of", self.best_of, f">= n ({self.n}) or null",
+                   lambda b: b >= self.n, allow_none=True)
         _check_number("temperature", self.temperature, ">= 0", lambda t: t >= 0)
         _check_number("top_p", self.top_p, "in (0, 1]", lambda p: 0 < p <= 1)
         _check_int("top_k", self.top_k, ">= -1 (0 or -1 = off)", lambda k: k >= -1)
@@ -100,15 +163,29 @@ class SamplingParams:
         _check_int("seed", self.seed, "or null", lambda _: True, allow_none=True)
         _check_int("max_tokens", self.max_tokens, ">= 1 or null", lambda m: m >= 1,
                    allow_none=True)
-        for name in ("logprobs", "prompt_logprobs"):
-            _check_int(name, getattr(self, name), "0 or 1 or null (top alternatives unsupported)",
-                       lambda k: k in (0, 1), allow_none=True)
+        _check_int("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}] or null",
+                   lambda k: 0 <= k <= MAX_LOGPROBS, allow_none=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs,
+                   "0 or 1 or null (top alternatives of prompt tokens are unsupported)",
+                   lambda k: k in (0, 1), allow_none=True)
         self.stop = _normalized_stop(self.stop)
         self.stop_token_ids = _normalized_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
         _check_int("prompt_lookup", self.prompt_lookup, "in [1, 64] or null",
                    lambda n: 1 <= n <= 64, allow_none=True)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams")
+            if self.ignore_eos:
+                raise InvalidRequestError(
+                    "ignore_eos cannot be combined with structured outputs: the end-of-sequence "
+                    "token is how a constrained output ends")
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated for the prompt: best_of, or n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def greedy(self) -> bool:
@@ -120,7 +197,8 @@ class SamplingParams:
         """True when draft tokens can be checked against this request's own choice: greedy,
         no penalties (a penalty would make each draft position's choice depend on the
         accepted ones before it)."""
-        return self.greedy and not self.has_penalties
+        return (self.greedy and not self.has_penalties and self.num_sequences == 1
+                and self.structured_outputs is None)
 
     @property
     def has_penalties(self) -> bool:

@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstack.errors import InvalidRequestError
-from kvstack.layers.sampler import Sampler, SamplingState, apply_penalties, make_generator
+from kvstack.layers.sampler import (
+    Sampler,
+    SamplingState,
+    apply_penalties,
+    make_generator,
+    top_logprobs,
+)
 from kvstack.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -65,7 +71,7 @@ def test_greedy_and_penalty_flags() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2), ("n", 0), ("n", True),
+        ("n", 0), ("n", True), ("best_of", 0), ("best_of", 1.5),
         ("temperature", -0.1), ("temperature", "hot"), ("temperature", float("nan")),
         ("temperature", None), ("temperature", True),
         ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1), ("top_p", "1"),
@@ -80,7 +86,7 @@ def test_greedy_and_penalty_flags() -> None:
         ("stop", ""), ("stop", ["ok", ""]), ("stop", 5), ("stop", ["a", 3]),
         ("stop_token_ids", [1, -1]), ("stop_token_ids", "12"), ("stop_token_ids", [True]),
         ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
-        ("logprobs", 5), ("logprobs", -1), ("logprobs", 1.0),
+        ("logprobs", 21), ("logprobs", -1), ("logprobs", 1.0), ("prompt_logprobs", 2),
     ],
 )
 def test_invalid_params_raise_one_line_error_naming_the_field(field: str, value: Any) -> None:
@@ -329,3 +335,63 @@ def test_bfloat16_logits_are_accepted() -> None:
     token_ids, logprobs = Sampler()(logits, states)
     assert token_ids[0] == int(logits[0].argmax())
     assert logprobs is not None and all(lp <= 0 for lp in logprobs)
+
+
+# --- top logprobs and guides ------------------------------------------------------------------
+
+
+def test_top_logprobs_are_the_k_most_likely_of_the_raw_distribution() -> None:
+    logits = random_logits(3, seed=5)
+    top = top_logprobs(logits, [3, 0, 1])
+    raw = torch.log_softmax(logits, dim=-1)
+    values, ids = raw.topk(3, dim=-1)
+    assert [t for t, _ in top[0]] == ids[0].tolist()
+    assert all(math.isclose(v, float(w), abs_tol=1e-6) for (_, v), w in zip(top[0], values[0],
+                                                                            strict=True))
+    assert top[1] == [] and len(top[2]) == 1 and top[2][0][0] == int(ids[2, 0])
+    assert top_logprobs(logits, [0, 0, 0]) == [[], [], []]
+
+
+class OnlyThese:
+    """A guide that allows a fixed set of tokens."""
+
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed = allowed
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor:
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[self.allowed] = True
+        return mask
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0}, {"temperature": 0, "repetition_penalty": 1.5},
+    {"seed": 3}, {"seed": 4, "top_k": 3}, {"seed": 5, "top_p": 0.2, "min_p": 0.5},
+])
+def test_a_guided_row_only_ever_takes_an_allowed_token(params: dict[str, Any]) -> None:
+    logits = random_logits(2, seed=8)
+    allowed = torch.argsort(logits[0])[:3].tolist()  # the three least likely tokens
+    guided = state(prompt=[int(logits[0].argmax())], **params)
+    guided.guide = OnlyThese(allowed)
+    for _ in range(20):
+        (token, free), logprobs = Sampler()(logits, [guided, state(temperature=0, logprobs=0)])
+        assert token in allowed and free == int(logits[1].argmax())
+    if params == {"temperature": 0}:
+        assert token == max(allowed, key=lambda t: float(logits[0, t]))
+        assert logprobs is not None  # raw distribution: the masked token's own log-prob
+        assert math.isclose(logprobs[0], float(torch.log_softmax(logits[0], -1)[token]),
+                            abs_tol=1e-6)
+
+
+def test_a_guide_that_allows_the_greedy_token_changes_nothing() -> None:
+    logits = random_logits(4, seed=6)
+    plain = Sampler()(logits, [state(temperature=0) for _ in range(4)])[0]
+    states = [state(temperature=0) for _ in range(4)]
+    for s, token in zip(states, plain, strict=True):
+        s.guide = OnlyThese([token, (token + 1) % VOCAB])
+    assert Sampler()(logits, states)[0] == plain
+    seeded = [state(seed=i, temperature=0.8) for i in range(4)]
+    free = Sampler()(logits, seeded)[0]
+    again = [state(seed=i, temperature=0.8) for i in range(4)]
+    again[1].guide = OnlyThese(list(range(VOCAB)))  # a guide elsewhere leaves seeded rows alone
+    assert Sampler()(logits, again)[0] == free

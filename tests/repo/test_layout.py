@@ -26,7 +26,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in
     "kernels",
     "kv",
     "semantic",
-    "layers drafts",
+    "layers drafts structured",
     "models",
     "weights",
     "blend",

@@ -90,26 +90,3 @@ def test_bad_blend_requests_are_400(server: LiveServer, case: str) -> None:
         headers={"content-type": "application/json"})
     assert_error_shape(path, response, 400, needle)
 
-
-def test_anthropic_document_and_search_result_blocks(server: LiveServer) -> None:
-    content = [{"type": "document", "title": "Harbor",
-                "source": {"type": "text", "media_type": "text/plain", "data": DOCS[0]["text"]}},
-               {"type": "search_result", "source": "https://example.org/l", "title": "Light",
-                "content": [{"type": "text", "text": DOCS[1]["text"]}]},
-               {"type": "text", "text": "Who built the lighthouse?"}]
-    body = {"model": MODEL, "max_tokens": 4, "temperature": 0,
-            "messages": [{"role": "user", "content": content}]}
-    exact = httpx.post(f"{server.url}/v1/messages", json=body, timeout=120).json()
-    assert "blend" not in exact["usage"]
-    one = httpx.post(f"{server.url}/v1/messages", json=body | {"blend": {
-        "recompute_ratio": 1.0}}, timeout=120).json()
-    assert one["content"] == exact["content"]
-    # The exact run published the prompt's blocks: the same prompt is an exact prefix hit.
-    assert one["usage"]["blend"]["chunks_hit"] == 0 and one["usage"]["cache_read_input_tokens"]
-    content[0], content[1] = content[1], content[0]
-    again = httpx.post(f"{server.url}/v1/messages", json=body | {"blend": {}},
-                       timeout=120).json()
-    assert again["usage"]["blend"]["chunks_hit"] == 2
-    bad = httpx.post(f"{server.url}/v1/messages", json=body | {"messages": [
-        {"role": "user", "content": "hi"}], "blend": {}}, timeout=60)
-    assert_error_shape("/v1/messages", bad, 400, "document")

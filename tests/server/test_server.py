@@ -256,7 +256,13 @@ BAD_REQUESTS = {
     "prompt too long": (CHAT, _chat(messages=_TOO_LONG), 400, "8192"),
     "prompt too long (anthropic)": (MSGS, _msgs(messages=_TOO_LONG), 400, "8192"),
     "bad sampling value": (CHAT, _chat(top_p=0), 400, "top_p"),
-    "n > 1": (CHAT, _chat(n=2), 400, "n must"),
+    "n above the cap": (CHAT, _chat(n=1000), 400, "parallel samples"),
+    "n (anthropic)": (MSGS, _msgs(n=2), 400, "not part of the Anthropic"),
+    "top_logprobs over 20": (CHAT, _chat(logprobs=True, top_logprobs=21), 400, "logprobs"),
+    "invalid json schema": (CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nothing"}}}), 400, "JSON schema"),
+    "unsatisfiable regex (anthropic)": (MSGS, _msgs(guided_regex="[^\\s\\S]"), 400,
+                                        "matches no output"),
     "image part": (CHAT, _chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "image_url"),
     "image block (anthropic)": (MSGS, _msgs(messages=[{"role": "user", "content": [

@@ -25,7 +25,8 @@ import numpy as np
 
 from kvstack.bench.cluster_sim import calibrate, run_simulation
 from kvstack.bench.cluster_workload import Workload, WorkloadConfig, make_workload, play
-from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow, ratio
+from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow
+from kvstack.bench.format import ratio
 from kvstack.errors import InvalidRequestError
 
 LOAD = 0.85

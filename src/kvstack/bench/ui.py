@@ -33,11 +33,10 @@ from kvstack.bench.common import (
     CaseResult,
     Subject,
     TableRow,
-    fmt,
-    fmt_x,
     progress,
     topic_texts,
 )
+from kvstack.bench.format import fmt, fmt_x
 from kvstack.bench.http_load import server_process
 from kvstack.errors import InvalidRequestError
 

@@ -28,6 +28,10 @@ CASES = {
     "cluster": "routing policies on a 2-replica Ray Serve cluster (hit rate by source, TTFT, "
                "TPOT, throughput, imbalance, decision time); --simulate: 16-256 replicas",
     "ui": "what the live view (/ui) costs: decode tok/s with 0 vs 5 open pages, snapshot time",
+    "parallel": "n=8 samples sharing a 1,000-token prompt's KV vs 8 separate requests: peak "
+                "KV bytes and wall time",
+    "structured": "decode time per token under a JSON-schema constraint vs unconstrained, "
+                  "batch 1 and 16",
     "rag": "TTFT of 6 reordered ~300-token documents: full prefill vs prefix cache vs "
            "blending (approximate; KL vs full prefill)",
 }

@@ -49,6 +49,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="answer 413 to larger request bodies")
     group.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
                        help="most requests computed together")
+    group.add_argument("--max-parallel-samples", type=positive_int, default=16, metavar="N",
+                       help="largest n (best_of) a request may ask for; its samples share the "
+                       "prompt's KV blocks (a larger n gets a 400)")
     group.add_argument("--max-pinned-fraction", type=float, default=0.5, metavar="F",
                        help="share of the KV pool cache_control pins may hold")
     group.add_argument("--cache-ttl-scale", type=positive_float, default=1.0, metavar="X",
@@ -58,6 +61,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        "(default: wait for all)")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"))
+    _add_semantic_args(parser)
+    _add_cluster_args(parser)
+    _add_ui_args(parser)
+    add_model_args(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _add_semantic_args(parser: argparse.ArgumentParser) -> None:
     semantic = parser.add_argument_group(
         "semantic cache", "answer repeated questions (by meaning) without running the model; "
         "greedy requests only unless a request sends \"semantic_cache\": true")
@@ -80,11 +92,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     semantic.add_argument("--semantic-max-entries", type=positive_int, default=None,
                           metavar="N", help="entries kept; the least recently used go first "
                           "(default: 10000)")
-    _add_cluster_args(parser)
-    _add_ui_args(parser)
-    add_model_args(parser)
-    parser.set_defaults(run=run)
-    return parser
 
 
 ROUTERS = ("cache-aware", "round-robin", "pow2")
@@ -201,7 +208,8 @@ def _run_one(args: argparse.Namespace, keys: KeyRing, config: ServerConfig) -> i
     # uvicorn re-raises the signal it drained on; a SIGTERM handled to the end is a clean exit.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     llm = load_llm(args, max_num_seqs=args.max_num_seqs,
-                   max_pinned_fraction=args.max_pinned_fraction)
+                   max_pinned_fraction=args.max_pinned_fraction,
+                   max_parallel_samples=args.max_parallel_samples)
     app = create_app(llm, keys, config)
 
     class Server(uvicorn.Server):

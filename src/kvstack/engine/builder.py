@@ -103,7 +103,7 @@ def _build_kv(parts: EngineParts, config: EngineConfig) -> None:
     parts.kv_manager = KVCacheManager(
         num_blocks, cache.block_size, cache.enable_prefix_caching and parts.window is None,
         parts.fingerprint, int(num_blocks * cache.max_pinned_fraction), parts.kv_tiers,
-        parts.window, storage.release,
+        parts.window, storage.release, storage.copy_block,
     )
     # int4 storage quantizes a block when its last slot is written in order; placing chunks
     # writes slots out of order.

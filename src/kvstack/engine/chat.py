@@ -10,7 +10,7 @@ import jinja2
 
 from kvstack.errors import InvalidRequestError
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 def chat_token_ids(
@@ -18,10 +18,12 @@ def chat_token_ids(
     messages: Sequence[Message],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Render `messages` with the chat template; `continue_final_message` leaves the last
-    (assistant) message open so the model continues it. Bad messages and templates that refuse
-    them (a jinja `raise_exception`) are `InvalidRequestError`s."""
+    (assistant) message open so the model continues it; `tools` (OpenAI function shapes) go
+    to a template that renders them. Bad messages and templates that refuse them (a jinja
+    `raise_exception`) are `InvalidRequestError`s."""
     if not messages:
         raise InvalidRequestError("messages is empty; give at least one message")
     for m in messages:
@@ -37,6 +39,7 @@ def chat_token_ids(
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
             tokenize=True,
+            **({"tools": tools} if tools else {}),
         )
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as err:
         raise InvalidRequestError(f"the chat template cannot render these messages: {err}") \

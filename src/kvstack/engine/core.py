@@ -9,25 +9,28 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from kvstack.blend.blender import blend_state
-from kvstack.blend.params import BlendSpec
+from kvstack.blend.params import BlendError, BlendSpec
 from kvstack.config import EngineConfig
 from kvstack.drafts.prompt_lookup import propose_drafts
 from kvstack.drafts.verify import next_window, remaining_draft
 from kvstack.engine.builder import build_engine
-from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder, find_stop, stop_holdback
+from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder
 from kvstack.engine.info import ModelInfo
+from kvstack.engine.parallel import SampleGroup, SampleGroups, check_fits, sample_ids, sample_params
 from kvstack.engine.request import Request
+from kvstack.engine.request_output import completion_output, request_output, stop_reason
 from kvstack.engine.runner import ModelRunner, Sampled
 from kvstack.engine.scheduler import Scheduler, SchedulerOutput
 from kvstack.engine.stats import EngineStats
 from kvstack.engine.tokenizer import check_token_ids
-from kvstack.errors import CapacityError, InvalidRequestError, PromptTooLongError
+from kvstack.errors import InvalidRequestError, PromptTooLongError
 from kvstack.kv.block_pool import BlockListener
 from kvstack.kv.snapshot import KVSnapshot
 from kvstack.kv.tiers.base import TierStats
 from kvstack.layers.sampler import Sampler
-from kvstack.outputs import DRAFT, MODEL, CompletionOutput, RequestOutput
+from kvstack.outputs import DRAFT, MODEL, RequestOutput
 from kvstack.sampling_params import SamplingParams
+from kvstack.structured import Grammar, StructuredBackend
 
 
 class LLMEngine:
@@ -59,6 +62,8 @@ class LLMEngine:
         self.blender = parts.blender  # chunk cache and blended steps (`blend/`)
         self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), self.window, self.blender)
         self.requests: dict[str, Request] = {}
+        self.groups = SampleGroups(completion_output)  # parallel samples, by the caller's id
+        self._structured: StructuredBackend | None = None  # built on the first constraint
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -86,7 +91,7 @@ class LLMEngine:
         draft_token_ids: Sequence[int] | None = None,
         blend: BlendSpec | None = None,
         num_scored: int = 0,
-    ) -> Request:
+    ) -> Request | SampleGroup:
         """Validate and queue a request. Raises a KvstackError subclass on bad input.
 
         `blend`: reuse the prompt's chunks' K/V (APPROXIMATE, `blend/`). `num_scored`: keep
@@ -95,7 +100,8 @@ class LLMEngine:
         `draft_token_ids`: a guess at the output, verified against the model's own greedy
         choices (only the agreeing prefix is kept; greedy requests without penalties only,
         others ignore it); ids must be in the vocabulary, an empty list is no draft, and a
-        draft longer than the request's max_tokens is cut to it."""
+        draft longer than the request's max_tokens is cut to it. With n or best_of > 1 the
+        request runs as a `SampleGroup` of samples sharing the prompt (`engine/parallel.py`)."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
         max_len = self.max_model_len
@@ -106,27 +112,54 @@ class LLMEngine:
             raise PromptTooLongError(len(token_ids), max_len)
         else:
             max_tokens = min(sampling_params.max_tokens or max_len, max_len - len(token_ids))
-        self._check_capacity(len(token_ids) + max_tokens)
+        sp = sampling_params
+        check_fits(sp, self.config.scheduler, self.kv_manager, self.window is not None,
+                   len(token_ids), max_tokens)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
+        ids = sample_ids(request_id, sp.num_sequences)
+        if any(i in self.requests or i in self.groups for i in {request_id, *ids}):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        request = Request(
-            request_id=request_id,
-            prompt=text,
-            prompt_token_ids=token_ids,
-            sampling_params=sampling_params,
-            max_tokens=max_tokens,
-            detokenizer=IncrementalDetokenizer(self.tokenizer or NullDecoder(), token_ids,
-                                               sampling_params.skip_special_tokens),
-            cache_salt=cache_salt,
-            draft_token_ids=self._draft(draft_token_ids, max_tokens),
-            blend=blend_state(self.blender, blend, token_ids, cache_salt,
-                              sampling_params.prompt_logprobs is not None, num_scored),
-            num_scored=min(max(num_scored, 0), len(token_ids)),
-        )
-        self.requests[request_id] = request
-        self.scheduler.add(request)
-        return request
+        grammar = self._grammar(sp)
+        if blend is not None and len(ids) > 1:
+            raise BlendError("blending runs one sample per request; use n=1 with blend")
+        blended = blend_state(self.blender, blend, token_ids, cache_salt,
+                              sp.prompt_logprobs is not None, num_scored)
+        requests = []
+        for i, rid in enumerate(ids):
+            request = self.requests[rid] = Request(
+                request_id=rid,
+                prompt=text,
+                prompt_token_ids=token_ids,
+                sampling_params=sp if len(ids) == 1 else sample_params(sp, i),
+                max_tokens=max_tokens,
+                detokenizer=IncrementalDetokenizer(self.tokenizer or NullDecoder(), token_ids,
+                                                   sp.skip_special_tokens),
+                cache_salt=cache_salt,
+                draft_token_ids=self._draft(draft_token_ids, max_tokens),
+                parent_request_id=None if len(ids) == 1 else request_id,
+                sample_index=i,
+                blend=blended,
+                num_scored=min(max(num_scored, 0), len(token_ids)),
+            )
+            if grammar is not None and self._structured is not None:
+                request.sampling_state.guide = self._structured.guide(grammar, request)
+            requests.append(request)
+        if len(ids) == 1:
+            self.scheduler.add(requests[0])
+            return requests[0]
+        group = self.groups.add(request_id, sp, requests, self.kv_manager is not None)
+        for request in [requests[0]] if requests[0].pending_forks else requests:
+            self.scheduler.add(request)
+        return group
+
+    def _grammar(self, sampling_params: SamplingParams) -> Grammar | None:
+        """The request's compiled constraint (llguidance, loaded on first use), if any."""
+        if sampling_params.structured_outputs is None:
+            return None
+        if self._structured is None:
+            self._structured = StructuredBackend.for_tokenizer(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._structured.compile(sampling_params.structured_outputs)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -148,27 +181,19 @@ class LLMEngine:
             raise InvalidRequestError(f"draft_token_ids: {err}") from None
         return ids[:max_tokens]
 
-    def _check_capacity(self, num_tokens: int) -> None:
-        if self.kv_manager is None:
-            return
-        need = self.kv_manager.max_blocks_held(num_tokens)
-        have = self.kv_manager.num_blocks
-        if need > have:
-            bs = self.kv_manager.block_size
-            fix = "lower kv_window" if self.window is not None else "lower max_tokens"
-            raise CapacityError(
-                f"request needs {need} KV blocks ({num_tokens} tokens) but the pool holds "
-                f"{have} ({have * bs} tokens); {fix} or raise kv_cache_memory"
-            )
-
     def abort(self, request_id: str) -> None:
-        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
-        request = self.requests.pop(request_id, None)
-        if request is not None and not request.finished:
-            self.scheduler.finish(request, "abort")
+        """Stop a request now and free its blocks; unknown or finished ids are ignored. A
+        parallel-sampling request's id stops all its samples, a sample's id (`<id>#<i>`) only
+        that one (the next step reports the request if that finished it)."""
+        group = self.groups.pop(request_id)
+        for request in group.samples if group else [self.requests.get(request_id)]:
+            if request is not None and self.requests.pop(request.request_id, None):
+                self.scheduler.finish(request, "abort")  # ignores a finished one
+                if group is None and request.parent_request_id is not None:
+                    self.groups.sample_ended(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.groups.ready)
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
@@ -181,13 +206,17 @@ class LLMEngine:
             self.kv_manager.expire_pins(time.monotonic())
         if self.blender is not None:
             self.blender.before_step(self.scheduler.waiting)
+        ready, self.groups.ready = self.groups.ready, []
         batch = self.scheduler.schedule()
         if not batch.scheduled:
-            return []
+            return ready
         now = time.perf_counter()
         for s in batch.scheduled:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
+        if self._structured is not None:  # masks computed while the model runs
+            self._structured.prepare([s.request.sampling_state.guide for s in batch.scheduled
+                                      if s.samples and s.request.sampling_state.guide])
         result = self.runner.run(batch)
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(batch, result.prompt_logprobs)
@@ -199,13 +228,15 @@ class LLMEngine:
         for request, reason in finishing:
             self.scheduler.finish(request, reason)
             self.requests.pop(request.request_id, None)
-        outputs = []
+        outputs, parents = ready, []  # parents: parallel-sampling requests that gained
         for s, sampled in zip(batch.scheduled, result.samples, strict=True):
-            if sampled is not None:
+            if sampled is not None and s.request.parent_request_id is not None:
+                parents.append(s.request.parent_request_id)
+            elif sampled is not None:
                 outputs.append(self.make_output(s.request))
                 if not s.request.finished:
                     propose_drafts(s.request)
-        return outputs
+        return outputs + self.groups.outputs(parents)
 
     @staticmethod
     def _record_prompt_logprobs(
@@ -231,7 +262,7 @@ class LLMEngine:
             request = s.request
             if sampled is None or request.finished:
                 continue
-            if not request.output_token_ids:
+            if not request.output_token_ids and s.num_new_tokens:  # a fork shares its prompt
                 self.num_prompt_tokens += request.num_prompt_tokens
             num_accepted = len(sampled.token_ids) - 1
             request.draft_window = next_window(request.draft_window, s.num_draft_tokens,
@@ -246,6 +277,8 @@ class LLMEngine:
                 self.num_generation_tokens += 1
                 request.add_output_source(DRAFT if k < num_accepted else MODEL)
                 logprob = sampled.logprobs[k] if sampled.logprobs is not None else None
+                if sampled.top_logprobs is not None:
+                    request.top_logprobs.append(sampled.top_logprobs[k])
                 reason = self._append_token(request, token, logprob, now)
                 if reason is not None:
                     finishing.append((request, reason))
@@ -266,59 +299,13 @@ class LLMEngine:
             request.logprobs.append(logprob)
         delta = request.detokenizer.add(token)
         request.text += delta
-        reason = self._stop_reason(request, token, delta)
+        reason = stop_reason(request, token, delta, self.eos_token_ids)
         if reason is not None:
             m.finished_time = now
         return reason
 
-    def _stop_reason(self, request: Request, token: int, delta: str) -> str | None:
-        p = request.sampling_params
-        if p.stop_token_ids and token in p.stop_token_ids:
-            request.stop_reason = token
-            return "stop"
-        if not p.ignore_eos and token in self.eos_token_ids:
-            request.stop_reason = token
-            return "stop"
-        if p.stop:
-            match = find_stop(request.text, len(delta), p.stop)
-            if match is not None:
-                index, stop = match
-                request.text = request.text[: index + (len(stop) if
-                                                       p.include_stop_str_in_output else 0)]
-                request.stop_reason = stop
-                return "stop"
-        if len(request.output_token_ids) >= request.max_tokens:
-            return "length"
-        return None
-
     def make_output(self, request: Request) -> RequestOutput:
-        text, sp = request.text, request.sampling_params
-        if not request.finished and sp.stop:
-            # Hold back a tail that may still grow into a stop string.
-            text = text[: len(text) - stop_holdback(text, sp.stop)]
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(request.output_token_ids),
-            logprobs=list(request.logprobs) if sp.logprobs is not None else None,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.finished,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            metrics=request.metrics,
-            prompt_logprobs=(list(request.prompt_logprobs or [None] * request.num_prompt_tokens)
-                             if sp.prompt_logprobs is not None else None),
-            num_draft_tokens=request.num_draft_tokens,
-            num_accepted_tokens=request.num_accepted_tokens,
-            blend=request.blend.final_usage() if request.blend is not None else None,
-            provenance=request.provenance(),
-        )
+        return request_output(request)
 
     # -- cache control and stats ------------------------------------------------------------
 

@@ -51,7 +51,8 @@ class LLM:
 
     `dtype` is the activations' and weights' dtype; `quantization="int8"` holds the linear
     weights as int8 with per-channel scales (activations stay in `dtype`). `kernels="torch"`
-    turns off the C decode kernels (the reference path).
+    turns off the C decode kernels (the reference path). `max_parallel_samples` caps a
+    request's n (best_of); its samples share the prompt's KV blocks (`engine/parallel.py`).
 
     Blending (APPROXIMATE, opt-in per call with `blend=BlendParams(...)`): a prompt given as
     `{"segments": ["text", Chunk(doc), ...]}` (or `chat(..., documents=[...])`) reuses each
@@ -77,6 +78,7 @@ class LLM:
         max_pinned_fraction: float = 0.5,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
+        max_parallel_samples: int = 16,
         num_threads: int | None = None,
         skip_tokenizer_init: bool = False,
         kv_disk_dir: str | os.PathLike[str] | None = None,
@@ -109,7 +111,8 @@ class LLM:
                 chunk_cache_memory=parse_size(chunk_cache_memory),
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                max_parallel_samples=max_parallel_samples,
             ),
             num_threads=num_threads,
             skip_tokenizer_init=skip_tokenizer_init,

@@ -59,6 +59,14 @@ class Request:
     draft_window: int = FIRST_WINDOW  # most draft tokens fed in one step (drafts/verify.py)
     num_draft_tokens: int = 0  # draft tokens fed to the model so far
     num_accepted_tokens: int = 0  # of those, the ones the model agreed with
+    # Per output token, its `logprobs=k` most likely alternatives (k > 0 only).
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Parallel samples (`engine/parallel.py`): the caller's request id and this sample's index
+    # (None: a request of its own), and on the sample that computes the shared prompt, its
+    # siblings still to fork from it once the prompt is computed.
+    parent_request_id: str | None = None
+    sample_index: int = 0
+    pending_forks: list[Request] = field(default_factory=list)
     # Output tokens by source (outputs.DRAFT, outputs.MODEL) as [source, count] runs.
     output_sources: list[list[str | int]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))

@@ -12,7 +12,7 @@ from kvstack.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.kv.window import SlidingWindow
 from kvstack.layers.attention import AttentionMetadata, PrefillSpan
-from kvstack.layers.sampler import Sampler
+from kvstack.layers.sampler import Sampler, top_logprobs
 from kvstack.layers.window_attention import (
     SpanRequest,
     WindowRoPE,
@@ -30,6 +30,8 @@ class Sampled:
     token_ids: list[int]  # accepted draft tokens (if any), then the model's own next token
     logprobs: list[float] | None  # of each token, when the request asked for logprobs
     num_rejected: int = 0  # draft tokens fed this step that the model did not accept
+    # Per token, the `logprobs=k` most likely tokens at its position (k > 0 only).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -84,7 +86,8 @@ class ModelRunner:
                 verified = verify_greedy(rows, s.draft_token_ids)
                 result.samples[i] = Sampled(verified.token_ids,
                                             _logprobs(rows, verified.token_ids, s),
-                                            verified.num_rejected)
+                                            verified.num_rejected,
+                                            _top(rows[:len(verified.token_ids)], s))
                 row += s.num_draft_tokens + 1
             else:
                 plain.append(i)
@@ -93,10 +96,14 @@ class ModelRunner:
         if not plain:
             return
         states = [batch.scheduled[i].request.sampling_state for i in plain]
-        tokens, logprobs = self.sampler(logits[plain_rows], states)
+        rows = logits[plain_rows]
+        tokens, logprobs = self.sampler(rows, states)
+        ks = [s.sampling_params.logprobs or 0 for s in states]
+        top = top_logprobs(rows, ks) if any(ks) else None
         for j, i in enumerate(plain):
             result.samples[i] = Sampled([tokens[j]],
-                                        [logprobs[j]] if logprobs is not None else None)
+                                        [logprobs[j]] if logprobs is not None else None,
+                                        top_logprobs=[top[j]] if top and ks[j] else None)
 
     def _prompt_logprobs(
         self, batch: SchedulerOutput, hidden: torch.Tensor, input_ids: torch.Tensor
@@ -175,7 +182,7 @@ class ModelRunner:
                     decode_ctx.append(seq_slots[:position + 1])
             else:
                 prefills.append(PrefillSpan(row, row + end - start, end, None))
-            if s.samples:  # the last known token's row, then one per draft token
+            if s.samples:  # last known token's row, one per draft (a fork: its leader's)
                 last = row + end - start - 1
                 sample_rows.extend(range(last - s.num_draft_tokens, last + 1))
         meta = AttentionMetadata(
@@ -213,6 +220,9 @@ class ModelRunner:
         decodes: list[SpanRequest] = []
         spans: list[WindowSpan] = []
         for s in batch.scheduled:
+            if s.num_new_tokens == 0:  # a parallel sample forked this step: its leader's row
+                sample_rows.append(len(ids) - 1)
+                continue
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             row = len(ids)
@@ -259,3 +269,9 @@ def _logprobs(logits: torch.Tensor, token_ids: list[int], s: ScheduledRequest
     chosen = torch.tensor(token_ids)[:, None]
     rows = logits[: len(token_ids)]
     return torch.log_softmax(rows.float(), dim=-1).gather(1, chosen)[:, 0].tolist()
+
+
+def _top(rows: torch.Tensor, s: ScheduledRequest) -> list[list[tuple[int, float]]] | None:
+    """The top alternatives of each emitted token's row, when the request asked for k > 0."""
+    k = s.request.sampling_params.logprobs
+    return top_logprobs(rows, [k] * rows.shape[0]) if k else None

@@ -5,6 +5,11 @@ Each step has a token budget (`max_num_batched_tokens`) and a cap on running req
 prefills, then new arrivals, each prefill chunked to what is left of the budget. When the
 pool runs dry the most recently admitted request is preempted (blocks freed, requeued at the
 front, recomputed later with its output so far as prompt) — but not one resumed just now.
+
+Parallel samples of one prompt (`engine/parallel.py`) enter as one request carrying its
+siblings (`pending_forks`); it is admitted only when all of them fit under `max_num_seqs`.
+The step that completes its prompt forks them: each shares the prompt's blocks (`fork`) and
+is planned right after it with no new token, to sample from its last logits row.
 """
 
 from __future__ import annotations
@@ -91,11 +96,35 @@ class Scheduler:
                 drafts = []
             else:
                 continue
-            out.scheduled.append(self._plan(request, num_new, drafts))
+            self._schedule_one(out, request, num_new, drafts)
             budget -= num_new + len(drafts)
         if out.num_preempted == 0:
             self._admit_waiting(out, budget)
         return out
+
+    def _schedule_one(self, out: SchedulerOutput, request: Request, num_new: int,
+                      drafts: list[int]) -> None:
+        planned = self._plan(request, num_new, drafts)
+        out.scheduled.append(planned)
+        if request.pending_forks and planned.samples:
+            self._fork(request, request.num_computed_tokens + num_new, out)
+
+    def _fork(self, leader: Request, num_computed: int, out: SchedulerOutput) -> None:
+        """This step completes the leader's prompt: its siblings share its blocks, count the
+        prompt as computed and sample their first tokens from the leader's last row."""
+        assert self.kv_manager is not None
+        for child in leader.pending_forks:
+            self.kv_manager.fork(leader.request_id, child.request_id)
+            child.num_computed_tokens = num_computed
+            child.num_cached_tokens = leader.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            out.scheduled.append(self._plan(child, 0, []))
+        leader.pending_forks = []
+
+    def _num_seqs(self) -> int:
+        """Running sequences, counting the siblings running requests will fork."""
+        return len(self.running) + sum(len(r.pending_forks) for r in self.running)
 
     def _plan(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledRequest:
         assert self.kv_manager is not None
@@ -159,8 +188,10 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_manager
         assert kv is not None
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if self._num_seqs() + 1 + len(request.pending_forks) > self.config.max_num_seqs:
+                break
             hit = kv.match_prefix(request)
             if request.blend is not None:
                 request.blend.admit(hit.num_tokens)
@@ -183,7 +214,7 @@ class Scheduler:
                 kv.record_query(request, hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(self._plan(request, num_new, drafts))
+            self._schedule_one(out, request, num_new, drafts)
             budget -= num_new + len(drafts)
 
     def _schedule_without_cache(self) -> SchedulerOutput:
@@ -221,6 +252,14 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        else:  # a parallel sample not forked yet
+            for leader in (*self.running, *self.waiting):
+                if request in leader.pending_forks:
+                    leader.pending_forks.remove(request)
+        if request.pending_forks:  # ended before its prompt was computed: a sibling takes over
+            heir = request.pending_forks[0]
+            heir.pending_forks, request.pending_forks = request.pending_forks[1:], []
+            self.waiting.appendleft(heir)
         if self.kv_manager is not None:
             self.kv_manager.free(request.request_id)
         request.num_computed_tokens = 0

@@ -27,6 +27,7 @@ class EngineStats:
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     tier_hit_tokens: int = 0  # of prefix_cache_hit_tokens, loaded from disk or Redis tiers
+    num_copied_blocks: int = 0  # copy-on-write copies of parallel samples' shared tail blocks
     tiers: tuple[TierStats, ...] = ()  # per tier below the memory pool: hits, faults, bytes
     # Blending (`blend/`): requests with a blended step, their chunks and tokens, and the
     # chunk cache (entries and bytes in memory; lookups answered by memory, by a tier, none).

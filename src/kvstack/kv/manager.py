@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvstack.kv.block_hash import BlockHash, hash_full_blocks
 from kvstack.kv.block_pool import BlockPool, KVBlock
+from kvstack.kv.integrity import check_holders
 from kvstack.kv.pins import PinRegistry
 from kvstack.kv.snapshot import (
     COMPUTED,
@@ -25,51 +25,10 @@ from kvstack.kv.snapshot import (
     take_snapshot,
 )
 from kvstack.kv.tiers.base import BlockTiers
+from kvstack.kv.values import KVRequest, KVUsage, PrefixHit
 from kvstack.kv.window import SlidingWindow
 
-
-class KVRequest(Protocol):
-    """What the manager reads of a request."""
-
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def cache_salt(self) -> str | None: ...
-    @property
-    def num_computed_tokens(self) -> int: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def scores_prompt(self) -> bool:
-        """True when every prompt position must be computed (prompt logprobs): no hit."""
-        ...
-
-    def token_ids(self) -> list[int]: ...
-    def tokens_between(self, start: int, end: int) -> list[int]: ...
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    blocks: list[KVBlock]
-    num_tokens: int
-    num_restored_tokens: int = 0  # of num_tokens, loaded from a tier below the memory pool
-    # The request's full-block hashes, computed for the lookup; `allocate` keeps them.
-    block_hashes: list[BlockHash] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class KVUsage:
-    """The pool's state and the prefix cache's counters, as `EngineStats` reports them."""
-
-    block_size: int
-    num_blocks_total: int
-    num_blocks_free: int  # allocatable now, cached-but-unused blocks included
-    num_blocks_cached: int  # free blocks still holding a reusable prefix
-    num_blocks_used: int  # held by requests or pins
-    num_blocks_pinned: int
-    prefix_cache_query_tokens: int
-    prefix_cache_hit_tokens: int
-    tier_hit_tokens: int  # of prefix_cache_hit_tokens, loaded from the tiers
+__all__ = ["KVCacheManager", "KVRequest", "KVUsage", "PrefixHit"]
 
 
 @dataclass
@@ -89,6 +48,10 @@ class KVCacheManager:
     int4's full-precision window). With a `window` (sliding-window mode) a request's blocks
     that slid out of the window are freed after each step (`slide_window`) and prefix caching
     is off: a block's K/V there depend on what was dropped before it.
+
+    Tables may share blocks by reference count (`fork`: parallel samples of one prompt). A
+    shared block is never written: the first table to write into a shared, partly filled
+    tail block gets a copy of it (`on_copy`), and the last holder writes the original.
     """
 
     def __init__(
@@ -101,12 +64,14 @@ class KVCacheManager:
         tiers: BlockTiers | None = None,
         window: SlidingWindow | None = None,
         on_free: Callable[[list[int]], None] | None = None,
+        on_copy: Callable[[int, int], None] | None = None,
     ) -> None:
         if window is not None and (enable_prefix_caching or tiers is not None):
             raise ValueError("window mode caches no prefix blocks")
         self.pool = BlockPool(num_blocks)
         self.window = window
         self.on_free = on_free
+        self.on_copy = on_copy  # (src, dst): copy a block's K/V (copy-on-write)
         self.tiers = tiers
         self.pins = PinRegistry(
             self.pool, num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
@@ -118,6 +83,7 @@ class KVCacheManager:
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
         self.tier_hit_tokens = 0
+        self.num_copied_blocks = 0  # copy-on-write copies of shared, partly filled blocks
         self.log = PublicationLog()  # what each published block holds, for `snapshot`
 
     @property
@@ -223,11 +189,14 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_held = len(table.blocks) + table.num_dropped_blocks + len(hit_blocks)
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - num_held
+        shared = self._shared_write_index(table, num_computed, num_new_tokens)
         # Reviving a free cached block takes it out of the free queue too.
         num_revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        shortfall = num_new_blocks - (self.pool.num_free - num_revived)
+        shortfall = num_new_blocks + (shared is not None) - (self.pool.num_free - num_revived)
         if shortfall > 0 and not self.pins.release(shortfall, keep=hit_blocks):
             return False
+        if shared is not None:
+            self._copy_block(table, shared)
         if hit is not None:
             self.pool.touch(hit_blocks)
             table.blocks.extend(hit_blocks)
@@ -236,6 +205,38 @@ class KVCacheManager:
         if num_new_blocks > 0:
             table.blocks.extend(self.pool.allocate(num_new_blocks))
         return True
+
+    def _shared_write_index(self, table: _BlockTable, num_computed: int,
+                            num_new_tokens: int) -> int | None:
+        """Index in the table of the partly filled block this step writes into, when another
+        table holds it too (a fork's shared tail); None otherwise."""
+        if num_new_tokens <= 0 or num_computed % self.block_size == 0:
+            return None  # the step starts a new block
+        logical = num_computed // self.block_size
+        sinks = self.window.num_sink_blocks if self.window is not None else logical + 1
+        index = logical if logical < sinks else logical - table.num_dropped_blocks
+        if index < len(table.blocks) and table.blocks[index].ref_cnt > 1:
+            return index
+        return None
+
+    def _copy_block(self, table: _BlockTable, index: int) -> None:
+        shared = table.blocks[index]
+        [copy] = self.pool.allocate(1)
+        if self.on_copy is not None:
+            self.on_copy(shared.block_id, copy.block_id)
+        table.blocks[index] = copy
+        self.pool.free([shared])  # still held by its other tables
+        self.num_copied_blocks += 1
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give `child_id` (holding nothing) the parent's block table, every block shared by
+        reference: a parallel sample of the parent's prompt. Its first write into the shared,
+        partly filled tail copies that block (`allocate`)."""
+        parent = self._tables.get(parent_id) or _BlockTable()
+        assert not self.blocks(child_id), f"fork: request {child_id!r} already holds blocks"
+        self.pool.touch(parent.blocks)
+        self._tables[child_id] = _BlockTable(list(parent.blocks), list(parent.block_hashes),
+                                             parent.num_dropped_blocks, parent.cache_salt)
 
     def record_query(self, request: KVRequest, hit: PrefixHit) -> None:
         self.prefix_cache_query_tokens += request.num_tokens
@@ -378,6 +379,7 @@ class KVCacheManager:
             prefix_cache_query_tokens=self.prefix_cache_query_tokens,
             prefix_cache_hit_tokens=self.prefix_cache_hit_tokens,
             tier_hit_tokens=self.tier_hit_tokens,
+            num_copied_blocks=self.num_copied_blocks,
         )
 
     def snapshot(self) -> KVSnapshot:
@@ -389,12 +391,4 @@ class KVCacheManager:
                              self.log, tables, presence)
 
     def check_integrity(self) -> None:
-        """The pool's and the pins' invariants, and every table block held by its table."""
-        self.pool.check_integrity()
-        self.pins.check_integrity()
-        holders: dict[int, int] = {}
-        for table in self._tables.values():
-            for block in table.blocks:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        for block_id, count in holders.items():
-            assert self.pool.blocks[block_id].ref_cnt >= count, "table block without a reference"
+        check_holders(self.pool, self.pins, (t.blocks for t in self._tables.values()))

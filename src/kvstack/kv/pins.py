@@ -102,6 +102,10 @@ class PinRegistry:
         pin = self._pins.pop(block_hash)
         self.pool.free([pin.block])
 
+    def held_counts(self) -> dict[int, int]:
+        """Block id -> references the pins hold on it (one per pinned block)."""
+        return {pin.block.block_id: 1 for pin in self._pins.values()}
+
     def check_integrity(self) -> None:
         """Every pinned block is referenced and still carries the hash it was pinned under."""
         for block_hash, pin in self._pins.items():

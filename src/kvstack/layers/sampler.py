@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -27,6 +28,14 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+class TokenGuide(Protocol):
+    """Which tokens may come next for a constrained request (`structured/`)."""
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor:
+        """bool [vocab_size]: True where the token may come next (never all False)."""
+        ...
+
+
 @dataclass
 class SamplingState:
     """One request's sampling context, owned by the request and passed to the sampler each step.
@@ -42,6 +51,8 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None
+    # A constrained request's guide: tokens it masks out are never chosen, greedy or not.
+    guide: TokenGuide | None = None
     # Penalty bookkeeping, kept on the logits' device and updated incrementally so a decode
     # step costs O(new tokens), not O(prompt + output).
     _seen: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] bool
@@ -183,6 +194,34 @@ def _sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tens
     return (x - noise.log_().neg_().log_()).argmax(dim=-1)
 
 
+def apply_guides(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """The logits with every token a row's guide forbids at -inf (a copy; `logits` itself
+    when no row is guided). Masking comes first, so penalties, temperature and the top-k/p
+    filters only ever rank allowed tokens, and a greedy row takes the best allowed one."""
+    rows = [i for i, s in enumerate(states) if s.guide is not None]
+    if not rows:
+        return logits
+    vocab_size = logits.shape[1]
+    allowed = torch.stack([states[i].guide.allowed_tokens(vocab_size)  # type: ignore[union-attr]
+                           for i in rows]).to(logits.device)
+    out = logits.clone()
+    index = torch.tensor(rows, device=logits.device)
+    out[index] = out[index].masked_fill(~allowed, float("-inf"))
+    return out
+
+
+def top_logprobs(logits: torch.Tensor, ks: Sequence[int]) -> list[list[tuple[int, float]]]:
+    """Per row of raw logits [S, V], its ks[row] most likely tokens and their log-probabilities
+    (raw model distribution, most likely first; [] where k is 0)."""
+    max_k = max(ks, default=0)
+    if max_k == 0:
+        return [[] for _ in ks]
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(max_k, dim=-1)
+    pairs = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(),
+                                                          strict=True)]
+    return [row[:k] for row, k in zip(pairs, ks, strict=True)]
+
+
 class Sampler:
     """Turns the last-position logits of a batch into one next token per request."""
 
@@ -193,19 +232,21 @@ class Sampler:
 
         Returns the chosen token id of each row and, when any state asks for logprobs, the
         log-probability of each row's chosen token under the raw model distribution
-        (log_softmax of the unmodified logits); otherwise None. Greedy rows take the argmax of
-        the penalized logits, lowest id on ties. A seeded row's tokens depend only on its
-        generator, never on the other rows of the batch. `logits` is not modified.
+        (log_softmax of the unmodified logits, before any guide's mask); otherwise None.
+        Greedy rows take the argmax of the masked, penalized logits, lowest id on ties. A
+        seeded row's tokens depend only on its generator, never on the other rows of the
+        batch. `logits` is not modified.
         """
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(
                 f"logits must be [num_states, vocab]; got {tuple(logits.shape)} "
                 f"for {len(states)} states"
             )
+        allowed = apply_guides(logits, states)
         if all(s.sampling_params.greedy and not s.sampling_params.has_penalties for s in states):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = allowed.argmax(dim=-1)
         else:
-            token_ids = self._choose(apply_penalties(logits, states), states)
+            token_ids = self._choose(apply_penalties(allowed, states), states)
         logprobs = None
         if any(s.sampling_params.logprobs is not None for s in states):
             logprobs = (

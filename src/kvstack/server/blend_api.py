@@ -11,12 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstack.blend.params import BlendParams, BlendSpec, Chunk
-from kvstack.blend.segments import (
-    chat_segments,
-    document_text,
-    tokenize_segments,
-    with_documents,
-)
+from kvstack.blend.segments import chat_segments, tokenize_segments, with_documents
 from kvstack.outputs import RequestOutput
 from kvstack.server.errors import ApiError
 from kvstack.server.protocol import SegmentBody
@@ -46,29 +41,6 @@ def completion_segments(tokenizer: Any, segments: list[SegmentBody],
 def check_blend_input(has_chunks: bool, blend: dict[str, Any] | None, field: str) -> None:
     if blend is not None and not has_chunks:
         raise ApiError(400, f"blend needs chunks to reuse: give {field}", param="blend")
-
-
-def document_block_text(block: Any, where: str) -> str:
-    """The chunk text of an Anthropic `document` (text source) or `search_result` block."""
-    if block.type == "document":
-        source = block.source if isinstance(block.source, dict) else {}
-        if source.get("type") != "text" or not isinstance(source.get("data"), str):
-            raise ApiError(400, f"{where}: only documents with a text source are supported")
-        text = source["data"]
-    else:
-        parts = [p.get("text") for p in block.content or [] if p.get("type") == "text"]
-        if not parts or not all(isinstance(p, str) for p in parts):
-            raise ApiError(400, f"{where}: a search_result needs text content blocks")
-        text = "\n".join(parts)
-    return document_text({"title": block.title, "text": text}, where)
-
-
-def segment_ids(tokenizer: Any, messages: list[dict[str, str]], chunks: list[str],
-                final: bool, prefill: bool) -> tuple[list[int], list[tuple[int, int]]]:
-    """Prompt ids and chunk spans of messages whose contents hold `mark(i)` placeholders."""
-    return tokenize_segments(tokenizer, chat_segments(
-        tokenizer, messages, chunks, add_generation_prompt=final,
-        continue_final_message=final and prefill))
 
 
 def blend_usage(out: RequestOutput) -> dict[str, int] | None:

@@ -1,10 +1,13 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+Requests translate to engine calls here (prompt, sampling, n, logprobs, the output constraint
+of `response_format` / `guided_*` / a tool choice, tools in the prompt); `openai_wire.py`
+writes the responses.
+"""
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Iterable
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,26 +17,36 @@ from kvstack.blend.params import BlendSpec
 from kvstack.engine.chat import chat_token_ids
 from kvstack.engine.tokenizer import check_token_ids
 from kvstack.errors import InvalidRequestError
-from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 from kvstack.server.auth import AuthTenant
 from kvstack.server.blend_api import (
-    blend_usage,
     chat_with_documents,
     check_blend_input,
     completion_segments,
 )
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
+from kvstack.server.openai_wire import OpenAIWire, ToolUse
 from kvstack.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     OpenAISampling,
 )
-from kvstack.server.responses import respond, sse
+from kvstack.server.responses import respond
 from kvstack.server.semantic_api import Probe, split_conversation
 from kvstack.server.state import ServerState, server_state
+from kvstack.server.structured import structured_outputs
+from kvstack.server.tools import (
+    ToolChoice,
+    ToolSpec,
+    check_tools,
+    constraint,
+    render_call,
+    render_result,
+    template_takes_tools,
+    tools_prompt,
+)
 
 router = APIRouter()
 
@@ -69,7 +82,7 @@ async def completions(request: Request, tenant: AuthTenant) -> JSONResponse | St
     else:
         prompt_ids = _completion_prompt(state, body.prompt)
     params = _sampling(state, body, len(prompt_ids), body.max_tokens, default_max_tokens=16,
-                       logprobs=body.logprobs)
+                       logprobs=body.logprobs, best_of=body.best_of)
     echo = state.tokenizer.decode(prompt_ids) if body.echo else ""
     probe = None
     if state.semantic is not None and body.segments is None:
@@ -77,7 +90,7 @@ async def completions(request: Request, tenant: AuthTenant) -> JSONResponse | St
                                            _completion_text(body.prompt), None, params,
                                            body.max_tokens, body.semantic_cache,
                                            body.cache_salt)
-    wire = _OpenAIWire(state, "cmpl", "text_completion", len(prompt_ids), body, probe, echo)
+    wire = OpenAIWire(state, "cmpl", "text_completion", len(prompt_ids), body, probe, echo)
     return await _answer(request, state, wire, prompt_ids, params,
                          tenant.cache_salt(body.cache_salt), body, probe, blend)
 
@@ -88,32 +101,37 @@ async def chat_completions(request: Request,
     state = server_state(request)
     body = await parse_body(request, ChatCompletionRequest)
     state.check_model(body.model)
-    messages = [_chat_message(i, m) for i, m in enumerate(body.messages)]
+    tool_use = _tool_use(body)
+    messages, tools = _chat_prompt(state, body, tool_use)
     check_blend_input(bool(body.documents), body.blend, "documents")
     blend = None
     if body.documents:
+        if tools:
+            raise ApiError(400, "documents with tools are not supported yet; send one or the "
+                           "other", param="documents")
         prompt_ids, blend = chat_with_documents(state.tokenizer, messages, body.documents,
                                                 body.blend)
     else:
-        prompt_ids = chat_token_ids(state.tokenizer, messages)
-    if body.top_logprobs:
-        raise ApiError(400, "top_logprobs is not supported; give 0 or leave it out",
-                       param="top_logprobs")
+        prompt_ids = chat_token_ids(state.tokenizer, messages, tools=tools)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     params = _sampling(state, body, len(prompt_ids), max_tokens,
-                       logprobs=0 if body.logprobs else None)
+                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                       tool_use=tool_use)
     probe = None
-    if state.semantic is not None and not body.documents:  # answers depend on the documents
+    if state.semantic is not None and tool_use is None and not body.documents:
         key_text, context = split_conversation(messages)
         probe = await state.semantic.probe(tenant, "openai.chat", key_text, context, params,
                                            max_tokens, body.semantic_cache, body.cache_salt)
-    wire = _OpenAIWire(state, "chatcmpl", "chat.completion", len(prompt_ids), body, probe)
+    wire = OpenAIWire(state, "chatcmpl", "chat.completion", len(prompt_ids), body, probe,
+                      tool_use=tool_use)
     return await _answer(request, state, wire, prompt_ids, params,
                          tenant.cache_salt(body.cache_salt), body, probe, blend)
 
 
-async def _answer(request: Request, state: ServerState, wire: _OpenAIWire,
+async def _answer(request: Request, state: ServerState, wire: OpenAIWire,
                   prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
                   body: OpenAISampling, probe: Probe | None, blend: BlendSpec | None = None
                   ) -> JSONResponse | StreamingResponse:
@@ -144,7 +162,44 @@ def _completion_text(prompt: Any) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
-def _chat_message(index: int, message: ChatMessage) -> dict[str, str]:
+def _tool_use(body: ChatCompletionRequest) -> ToolUse | None:
+    """The request's tools and tool choice (OpenAI's default: auto when tools are given)."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        return None
+    tools = [ToolSpec(t.function.name, t.function.description,
+                      t.function.parameters or {"type": "object", "properties": {}},
+                      bool(t.function.strict)) for t in body.tools]
+    parallel = body.parallel_tool_calls is not False
+    if choice is None or isinstance(choice, str):
+        mode = ToolChoice(choice or "auto", None, parallel)
+    else:
+        mode = ToolChoice("named", choice.function.name, parallel)
+    check_tools(tools, mode)
+    return ToolUse(tools, mode)
+
+
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest, tool_use: ToolUse | None
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages for the chat template, and the tools for a template that renders them;
+    otherwise the tools go into the system message (server/tools.py)."""
+    native = tool_use is not None and template_takes_tools(state.tokenizer)
+    messages = [_chat_message(i, m, native) for i, m in enumerate(body.messages)]
+    if tool_use is None or tool_use.choice.mode == "none":
+        return messages, None
+    if native:
+        return messages, [{"type": "function", "function": t.as_json()} for t in tool_use.tools]
+    offer = tools_prompt(tool_use.tools)
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{offer}"}
+    else:
+        messages.insert(0, {"role": "system", "content": offer})
+    return messages, None
+
+
+def _chat_message(index: int, message: ChatMessage, native: bool) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
         for part in content:
@@ -155,122 +210,44 @@ def _chat_message(index: int, message: ChatMessage) -> dict[str, str]:
                 raise ApiError(400, f"messages[{index}]: a text part needs 'text'",
                                param="messages")
         content = "\n".join(part.text or "" for part in content)
+    text = content or ""
+    if message.role == "tool":
+        if native:
+            return {"role": "tool", "content": text, "tool_call_id": message.tool_call_id}
+        return {"role": "user", "content": render_result(text)}
+    if message.role == "assistant" and message.tool_calls:
+        if native:
+            return {"role": "assistant", "content": text, "tool_calls": [
+                {"type": "function", "function": {"name": c.function.name,
+                                                  "arguments": _arguments(index, c.function)}}
+                for c in message.tool_calls]}
+        calls = "\n".join(render_call(c.function.name, c.function.arguments)
+                          for c in message.tool_calls)
+        return {"role": "assistant", "content": f"{text}\n{calls}" if text else calls}
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
+    return {"role": role, "content": text}
+
+
+def _arguments(index: int, function: Any) -> dict[str, Any]:
+    try:
+        value = json.loads(function.arguments or "{}")
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"messages[{index}]: tool call arguments must be a JSON object",
+                       param="messages")
+    return value
 
 
 def _sampling(state: ServerState, body: OpenAISampling, num_prompt_tokens: int,
               max_tokens: int | None, default_max_tokens: int | None = None,
-              logprobs: int | None = None) -> SamplingParams:
+              logprobs: int | None = None, best_of: int | None = None,
+              tool_use: ToolUse | None = None) -> SamplingParams:
+    tool_constraint = constraint(tool_use.tools, tool_use.choice) if tool_use else None
     return state.sampling_params(
         body, state.max_tokens(max_tokens, num_prompt_tokens, default_max_tokens),
-        n=body.n, presence_penalty=body.presence_penalty,
+        n=body.n, best_of=best_of, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, stop=body.stop, logprobs=logprobs,
+        structured_outputs=structured_outputs(body, body.response_format,
+                                              tool_constraint=tool_constraint),
     )
-
-
-# -- responses -------------------------------------------------------------------------------
-
-
-class _OpenAIWire:
-    """A completion's or chat completion's JSON and chunk shapes (see `responses.WireFormat`)."""
-
-    def __init__(self, state: ServerState, prefix: str, obj: str, num_prompt_tokens: int,
-                 body: OpenAISampling, probe: Probe | None, echo: str = "") -> None:
-        self.state = state
-        self.probe = probe  # the semantic cache's view of this request, if it looked it up
-        self.headers = probe.headers if probe is not None else {}
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.chat = obj == "chat.completion"
-        self.obj = obj
-        self.created = int(time.time())
-        self.num_prompt_tokens = num_prompt_tokens
-        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        self.echo = echo
-
-    async def started(self, first: RequestOutput) -> None:
-        return None
-
-    def whole(self, out: RequestOutput) -> dict[str, Any]:
-        completion = out.outputs[0]
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(out, 0, 0),
-                                  "finish_reason": completion.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": completion.text}
-        else:
-            choice["text"] = self.echo + completion.text
-        return {**self._envelope(self.obj), "choices": [choice], "usage": self._usage(out)}
-
-    def opening(self, first: RequestOutput) -> Iterable[str]:
-        if self.chat:
-            yield self._chunk({"role": "assistant", "content": ""}, None, None)
-        elif self.echo:
-            yield self._chunk(self.echo, None, None)
-
-    def delta(self, out: RequestOutput, text: str, sent_chars: int,
-              sent_tokens: int) -> Iterable[str]:
-        reason = out.outputs[0].finish_reason if out.finished else None
-        if text or reason:
-            logprobs = self._logprobs(out, sent_tokens, sent_chars)
-            yield self._chunk({"content": text} if self.chat else text, reason, logprobs)
-
-    def closing(self, out: RequestOutput) -> Iterable[str]:
-        if self.include_usage:
-            yield sse({**self._envelope(self._chunk_object), "choices": [],
-                       "usage": self._usage(out)})
-
-    def error(self, body: dict[str, Any]) -> str:
-        return sse(body)
-
-    def done(self) -> Iterable[str]:
-        yield "data: [DONE]\n\n"
-
-    @property
-    def _chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.chat else self.obj
-
-    def _envelope(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created,
-                "model": self.state.model_name}
-
-    def _chunk(self, delta: Any, reason: str | None, logprobs: Any) -> str:
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": reason}
-        choice["delta" if self.chat else "text"] = delta
-        chunk = {**self._envelope(self._chunk_object), "choices": [choice]}
-        if self.include_usage:
-            chunk["usage"] = None
-        return sse(chunk)
-
-    def _usage(self, out: RequestOutput) -> dict[str, Any]:
-        num_out = len(out.outputs[0].token_ids)
-        usage: dict[str, Any] = {
-            "prompt_tokens": self.num_prompt_tokens,
-            "completion_tokens": num_out,
-            "total_tokens": self.num_prompt_tokens + num_out,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
-        }
-        if (blended := blend_usage(out)) is not None:
-            usage["blend"] = blended
-        if self.probe is not None:
-            usage["semantic_cache_hit"] = self.probe.hit
-            usage["semantic_cache"] = self.probe.usage(out)
-        return usage
-
-    def _logprobs(self, out: RequestOutput, start: int, offset: int) -> dict[str, Any] | None:
-        """Log-probs of output tokens from `start` on; `offset`: characters sent before."""
-        completion = out.outputs[0]
-        if completion.logprobs is None:
-            return None
-        ids = completion.token_ids[start:]
-        values = completion.logprobs[start:]
-        tokens = [self.state.token_text(t) for t in ids]
-        if self.chat:
-            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                                 "top_logprobs": []} for tok, lp in zip(tokens, values,
-                                                                        strict=True)]}
-        offsets = []
-        for tok in tokens:
-            offsets.append(offset)
-            offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None,
-                "text_offset": offsets}

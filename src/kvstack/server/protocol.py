@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
@@ -32,6 +32,11 @@ class ExtraSampling(_Body):
     semantic_cache: bool | None = None
     # Draft up to N tokens a step from the request's own text (verified; see SamplingParams).
     prompt_lookup: int | None = None
+    # vLLM's structured-output fields (at most one; see server/structured.py).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # -- OpenAI ----------------------------------------------------------------------------------
@@ -46,10 +51,56 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCallBody(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class OpenAITool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class OpenAISampling(ExtraSampling):
@@ -58,6 +109,7 @@ class OpenAISampling(ExtraSampling):
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = None
+    response_format: ResponseFormat | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -75,6 +127,9 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[OpenAITool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class SegmentBody(_Body):
@@ -88,6 +143,7 @@ class CompletionRequest(OpenAISampling):
     blend: dict[str, Any] | None = None
     logprobs: int | None = None
     echo: bool | None = False
+    best_of: int | None = None
 
 
 # -- Anthropic -------------------------------------------------------------------------------
@@ -99,15 +155,18 @@ class CacheControl(_Body):
 
 
 class ContentBlock(_Body):
-    """Any content block; text, `document` (a text source) and `search_result` are supported,
-    which the translation checks."""
+    """Any content block; text, tool_use and tool_result are supported (the translation
+    checks which fields each needs)."""
 
     type: str
     text: str | None = None
     cache_control: CacheControl | None = None
-    source: dict[str, Any] | str | None = None  # document: {"type": "text", "data": ...}
-    title: str | None = None
-    content: list[dict[str, Any]] | None = None  # search_result: text blocks
+    id: str | None = None  # tool_use
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[ContentBlock] | None = None
+    is_error: bool | None = None
 
 
 class AnthropicMessage(_Body):
@@ -122,16 +181,34 @@ class Tool(_Body):
     cache_control: CacheControl | None = None
 
 
+class AnthropicToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = None
+    effort: str | None = None
+
+
 class MessagesRequest(ExtraSampling):
     model: str
     max_tokens: int
     messages: list[AnthropicMessage]
     system: str | list[ContentBlock] | None = None
     tools: list[Tool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    output_config: OutputConfig | None = None
+    n: int | None = None  # not an Anthropic field: refused with a clear message
     stop_sequences: list[str] | None = None
     cache_control: CacheControl | None = None  # a breakpoint on the last block
     temperature: float | None = None
     top_p: float | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
-    blend: dict[str, Any] | None = None  # document / search_result blocks become chunks

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvstack.outputs import RequestOutput
+from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.server.errors import from_exception
 from kvstack.server.generation import OutputStream, final_output, unless_disconnected
 from kvstack.server.semantic_api import Probe
@@ -40,10 +40,11 @@ class WireFormat(Protocol):
         """SSE events before the first text."""
         ...
 
-    def delta(self, out: RequestOutput, text: str, sent_chars: int,
+    def delta(self, out: RequestOutput, completion: CompletionOutput, sent_chars: int,
               sent_tokens: int) -> Iterable[str]:
-        """Events for what `out` adds: `text` past the `sent_chars` characters and
-        `sent_tokens` tokens already sent (and the finish reason once it is finished)."""
+        """Events for what one of `out`'s completions adds past the `sent_chars` characters
+        and `sent_tokens` tokens of it already sent (and its finish reason once it has one);
+        called until its finish reason has been seen once."""
         ...
 
     def closing(self, out: RequestOutput) -> Iterable[str]:
@@ -85,12 +86,18 @@ async def _events(request: Request, stream: OutputStream, wire: WireFormat,
     try:
         for event in wire.opening(out):
             yield event
-        sent_chars = sent_tokens = 0
+        sent: dict[int, tuple[int, int]] = {}  # per completion index: (chars, tokens) sent
+        done: set[int] = set()  # completions whose finish reason has been written
         while True:
-            completion = out.outputs[0]
-            for event in wire.delta(out, completion.text[sent_chars:], sent_chars, sent_tokens):
-                yield event
-            sent_chars, sent_tokens = len(completion.text), len(completion.token_ids)
+            for completion in out.outputs:
+                if completion.index in done:
+                    continue
+                chars, tokens = sent.get(completion.index, (0, 0))
+                for event in wire.delta(out, completion, chars, tokens):
+                    yield event
+                sent[completion.index] = (len(completion.text), len(completion.token_ids))
+                if completion.finish_reason is not None:
+                    done.add(completion.index)
             if out.finished:
                 break
             out = await stream.next()

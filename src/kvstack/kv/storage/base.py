@@ -108,6 +108,13 @@ class KVCacheStorage:
         """One block of every layer, copied out as bytes: uint8 [block_bytes]."""
         return torch.cat([t.reshape(-1).view(torch.uint8) for t in self._block_views(block_id)])
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block `src`'s bytes over block `dst` (copy-on-write of a shared block): every
+        tensor's slice, scales included, so any KV dtype copies exactly."""
+        self.release([dst])
+        for source, target in zip(self._block_views(src), self._block_views(dst), strict=True):
+            target.copy_(source)
+
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """The inverse of `read_block` for many blocks: data uint8 [N, block_bytes]."""
         self.release(block_ids)

@@ -239,6 +239,20 @@ class Int4KVStorage(KVCacheStorage):
                 self._window_index[block] = -1
         self._reads.clear()
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """A partly filled block lives in its window block: the copy gets a window block of its
+        own holding the same full-precision tokens."""
+        super().copy_block(src, dst)
+        window = self._window_of.get(src)
+        if window is None:
+            return
+        copy = self._take_window(dst, 0)
+        bs = self.block_size
+        for tensors in (self.window_k, self.window_v):
+            for t in tensors:
+                t[copy * bs:(copy + 1) * bs] = t[window * bs:(window + 1) * bs]
+        self._reads.clear()
+
     def _block_views(self, block_id: int) -> list[torch.Tensor]:
         # Per layer: K codes, V codes, K scales, K zeros (per channel), V scales, V zeros.
         start, end = block_id * self.block_size, (block_id + 1) * self.block_size

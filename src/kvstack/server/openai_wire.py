@@ -1,0 +1,204 @@
+"""OpenAI's response shapes: completions and chat completions, whole or as chunks, with n
+choices, log-probabilities and tool calls (see `responses.WireFormat`)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstack.outputs import CompletionOutput, RequestOutput
+from kvstack.server.blend_api import blend_usage
+from kvstack.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from kvstack.server.protocol import OpenAISampling
+from kvstack.server.responses import sse
+from kvstack.server.semantic_api import Probe
+from kvstack.server.state import ServerState
+from kvstack.server.tools import ToolCall, ToolChoice, ToolSpec, ToolStream, new_call_id
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """The tools a chat request offers and how it lets the model use them."""
+
+    tools: list[ToolSpec]
+    choice: ToolChoice
+
+
+@dataclass
+class _Sent:
+    """What one streamed choice has sent so far, in tool mode."""
+
+    content: int = 0  # characters of content
+    tokens: int = 0  # tokens whose log-probs went out
+    arguments: int = 0  # named tool: characters of its arguments
+    opened: bool = False  # named tool: its call's id and name are out
+    stream: ToolStream | None = field(default=None, repr=False)
+
+
+class OpenAIWire:
+    def __init__(self, state: ServerState, prefix: str, obj: str, num_prompt_tokens: int,
+                 body: OpenAISampling, probe: Probe | None, echo: str = "",
+                 tool_use: ToolUse | None = None) -> None:
+        self.state = state
+        self.probe = probe  # the semantic cache's view of this request, if it looked it up
+        self.headers = probe.headers if probe is not None else {}
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.chat = obj == "chat.completion"
+        self.obj = obj
+        self.created = int(time.time())
+        self.num_prompt_tokens = num_prompt_tokens
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.echo = echo
+        self.tool_use = tool_use if tool_use is not None and tool_use.choice.mode != "none" \
+            else None
+        self.tokens = TokenText(state.tokenizer)
+        self._sent: dict[int, _Sent] = {}
+
+    async def started(self, first: RequestOutput) -> None:
+        return None
+
+    # -- whole ------------------------------------------------------------------------------
+
+    def whole(self, out: RequestOutput) -> dict[str, Any]:
+        return {**self._envelope(self.obj), "choices": [self._choice(c) for c in out.outputs],
+                "usage": self._usage(out)}
+
+    def _choice(self, c: CompletionOutput) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
+        if not self.chat:
+            choice["text"] = self.echo + c.text
+            choice["logprobs"] = completion_logprobs(self.tokens, c, 0, 0)
+            return choice
+        choice["logprobs"] = chat_logprobs(self.tokens, c, 0)
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        calls = self._calls(c) if c.finish_reason == "stop" else None
+        if calls:
+            content = self._stream(c).content(c.text, True)
+            message["content"] = content if content.strip() else None
+            message["tool_calls"] = [_call_json(call) for call in calls]
+            choice["finish_reason"] = "tool_calls"
+        choice["message"] = message
+        return choice
+
+    # -- streamed ---------------------------------------------------------------------------
+
+    def opening(self, first: RequestOutput) -> Iterable[str]:
+        for c in first.outputs:
+            if self.chat:
+                yield self._chunk(c.index, {"role": "assistant", "content": ""}, None, None)
+            elif self.echo:
+                yield self._chunk(c.index, self.echo, None, None)
+
+    def delta(self, out: RequestOutput, completion: CompletionOutput, sent_chars: int,
+              sent_tokens: int) -> Iterable[str]:
+        c, reason = completion, completion.finish_reason
+        if self.tool_use is not None:
+            yield from self._tool_delta(c)
+            return
+        text = c.text[sent_chars:]
+        if text or reason:
+            if self.chat:
+                logprobs = chat_logprobs(self.tokens, c, sent_tokens)
+                yield self._chunk(c.index, {"content": text}, reason, logprobs)
+            else:
+                logprobs = completion_logprobs(self.tokens, c, sent_tokens, sent_chars)
+                yield self._chunk(c.index, text, reason, logprobs)
+
+    def _tool_delta(self, c: CompletionOutput) -> Iterable[str]:
+        """Content as it becomes certain; a named tool's arguments as they come; other calls
+        whole once the choice is finished (only then do they parse)."""
+        sent = self._sent.setdefault(c.index, _Sent())
+        finished = c.finish_reason is not None
+        logprobs = chat_logprobs(self.tokens, c, sent.tokens)
+        sent.tokens = len(c.token_ids)
+        assert self.tool_use is not None
+        choice = self.tool_use.choice
+        if choice.mode == "named" and not sent.opened:
+            sent.opened = True
+            call = {"index": 0, "id": new_call_id("call_"),
+                    "type": "function", "function": {"name": choice.name, "arguments": ""}}
+            yield self._chunk(c.index, {"tool_calls": [call]}, None, None)
+        if choice.mode == "named":
+            args = c.text[sent.arguments:]
+            sent.arguments = len(c.text)
+            if args:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": args}}]}
+                yield self._chunk(c.index, delta, None, logprobs)
+                logprobs = None
+        else:
+            content = self._stream(c).content(c.text, finished)[sent.content:]
+            sent.content += len(content)
+            if content:
+                yield self._chunk(c.index, {"content": content}, None, logprobs)
+                logprobs = None
+        if not finished:
+            return
+        calls = self._calls(c) if c.finish_reason == "stop" else None
+        if calls and choice.mode != "named":
+            yield self._chunk(c.index, {"tool_calls": [_call_json(call) | {"index": k}
+                                                       for k, call in enumerate(calls)]},
+                              None, None)
+        reason = "tool_calls" if calls else c.finish_reason
+        yield self._chunk(c.index, {}, reason, logprobs)
+
+    def closing(self, out: RequestOutput) -> Iterable[str]:
+        if self.include_usage:
+            yield sse({**self._envelope(self._chunk_object), "choices": [],
+                       "usage": self._usage(out)})
+
+    def error(self, body: dict[str, Any]) -> str:
+        return sse(body)
+
+    def done(self) -> Iterable[str]:
+        yield "data: [DONE]\n\n"
+
+    # -- parts ------------------------------------------------------------------------------
+
+    def _stream(self, c: CompletionOutput) -> ToolStream:
+        sent = self._sent.setdefault(c.index, _Sent())
+        if sent.stream is None:
+            assert self.tool_use is not None
+            sent.stream = ToolStream(self.tool_use.tools, self.tool_use.choice, "call_")
+        return sent.stream
+
+    def _calls(self, c: CompletionOutput) -> list[ToolCall] | None:
+        return self._stream(c).calls(c.text) if self.tool_use is not None else None
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else self.obj
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.state.model_name}
+
+    def _chunk(self, index: int, delta: Any, reason: str | None, logprobs: Any) -> str:
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": reason}
+        choice["delta" if self.chat else "text"] = delta
+        chunk = {**self._envelope(self._chunk_object), "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
+    def _usage(self, out: RequestOutput) -> dict[str, Any]:
+        num_out = sum(len(c.token_ids) for c in out.outputs)
+        usage: dict[str, Any] = {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": num_out,
+            "total_tokens": self.num_prompt_tokens + num_out,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        }
+        if (blended := blend_usage(out)) is not None:
+            usage["blend"] = blended
+        if self.probe is not None:
+            usage["semantic_cache_hit"] = self.probe.hit
+            usage["semantic_cache"] = self.probe.usage(out)
+        return usage
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
