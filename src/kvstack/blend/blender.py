@@ -29,6 +29,7 @@ from kvstack.kv.tiers.chain import TierChain
 from kvstack.layers.attention import AttentionMetadata
 from kvstack.models.base import CausalLM
 from kvstack.outputs import BlendUsage
+from kvstack.sampling_params import SamplingParams
 
 
 class BlendRequest(Protocol):
@@ -64,15 +65,17 @@ class BlendCounters:
 
 
 def blend_state(blender: Blender | None, spec: BlendSpec | None, token_ids: Sequence[int],
-                cache_salt: str | None, scores_prompt: bool, num_scored: int = 0
-                ) -> BlendState | None:
+                cache_salt: str | None, sampling_params: SamplingParams, num_sequences: int,
+                num_scored: int = 0) -> BlendState | None:
     """A blended request's state, after every check (raises BlendError); None: no `spec`."""
     if spec is None:
         return None
+    if num_sequences > 1:
+        raise BlendError("blending runs one sample per request; use n=1 with blend")
     if blender is None:
         raise BlendError("blending needs the paged KV cache, not window mode nor int4 K/V; "
                          "turn the KV cache on, drop kv_window, or pick another kv_cache_dtype")
-    if scores_prompt:
+    if sampling_params.prompt_logprobs is not None:
         raise BlendError("prompt_logprobs needs every prompt position computed; a blended "
                          "request reuses most of them: drop one or the other")
     return blender.request_state(spec, token_ids, cache_salt, num_scored)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from kvstack.blend.blender import blend_state
-from kvstack.blend.params import BlendError, BlendSpec
+from kvstack.blend.params import BlendSpec
 from kvstack.config import EngineConfig
 from kvstack.drafts.prompt_lookup import propose_drafts
 from kvstack.drafts.verify import next_window, remaining_draft
@@ -104,14 +104,7 @@ class LLMEngine:
         request runs as a `SampleGroup` of samples sharing the prompt (`engine/parallel.py`)."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
-        max_len = self.max_model_len
-        if self.window is not None:
-            # Window mode never runs out of context: positions are indices in the window.
-            max_tokens = sampling_params.max_tokens or max_len
-        elif len(token_ids) >= max_len:
-            raise PromptTooLongError(len(token_ids), max_len)
-        else:
-            max_tokens = min(sampling_params.max_tokens or max_len, max_len - len(token_ids))
+        max_tokens = self._max_tokens(sampling_params, len(token_ids))
         sp = sampling_params
         check_fits(sp, self.config.scheduler, self.kv_manager, self.window is not None,
                    len(token_ids), max_tokens)
@@ -120,10 +113,7 @@ class LLMEngine:
         if any(i in self.requests or i in self.groups for i in {request_id, *ids}):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         grammar = self._grammar(sp)
-        if blend is not None and len(ids) > 1:
-            raise BlendError("blending runs one sample per request; use n=1 with blend")
-        blended = blend_state(self.blender, blend, token_ids, cache_salt,
-                              sp.prompt_logprobs is not None, num_scored)
+        blended = blend_state(self.blender, blend, token_ids, cache_salt, sp, len(ids), num_scored)
         requests = []
         for i, rid in enumerate(ids):
             request = self.requests[rid] = Request(
@@ -151,6 +141,15 @@ class LLMEngine:
         for request in [requests[0]] if requests[0].pending_forks else requests:
             self.scheduler.add(request)
         return group
+
+    def _max_tokens(self, sampling_params: SamplingParams, num_prompt_tokens: int) -> int:
+        max_len = self.max_model_len
+        if self.window is not None:
+            # Window mode never runs out of context: positions are indices in the window.
+            return sampling_params.max_tokens or max_len
+        if num_prompt_tokens >= max_len:
+            raise PromptTooLongError(num_prompt_tokens, max_len)
+        return min(sampling_params.max_tokens or max_len, max_len - num_prompt_tokens)
 
     def _grammar(self, sampling_params: SamplingParams) -> Grammar | None:
         """The request's compiled constraint (llguidance, loaded on first use), if any."""
