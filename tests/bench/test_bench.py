@@ -58,6 +58,7 @@ def all_results(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> di
     with pytest.MonkeyPatch.context() as patch:
         # `all` runs whatever cases are registered; this module covers these.
         patch.setattr(bench_cli, "CASES", {case: bench_cli.CASES[case] for case in CASES})
+        patch.setattr(bench_cli, "ALL_CASES", list(CASES))
         code = main(["bench", "all", "--quick", "--model", tiny_model, "--threads", "1",
                      "--out", str(out), "--no-progress"])
     assert code == 0

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
+from helpers.exactness import assert_logits_close, reference_logits, teacher_forced_logits
 from helpers.tiny_models import VARIANTS, make_tiny_hf_folder, write_tiny_gguf
 from transformers import AutoModelForCausalLM
 
 from kvstack import LLM, SamplingParams
 from kvstack.bench.peers import transformers_model
-from kvstack.engine.core import LLMEngine
 from kvstack.engine.tokenizer import load_tokenizer
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.models import family_of
@@ -42,74 +42,6 @@ TINY_ATOL = 1e-4  # tiny models' logits are ~4; measured 5e-6
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def teacher_forced_logits(
-    engine: LLMEngine,
-    sequences: Sequence[Sequence[int]],
-    num_prompt_tokens: Sequence[int],
-    model: Any = None,
-    kv: KVCacheStorage | None = None,
-) -> list[torch.Tensor]:
-    """float64 logits [len(seq), vocab] at every position of each sequence, all run as one batch.
-
-    Sequence i is prefilled with its first `num_prompt_tokens[i]` tokens (chunked if the step
-    budget is small), then decoded one known token per step. `model`/`kv` replace the engine's
-    (e.g. a float64 copy) while the engine's scheduler and runner still plan every step.
-    """
-    model = model or engine.model
-    kv = kv or engine.kv_storage
-    engine.reset_prefix_cache()  # every position is computed, none served from the cache
-    requests = [
-        engine.add_request(list(seq[:n]), SamplingParams(max_tokens=len(seq) - n + 1))
-        for seq, n in zip(sequences, num_prompt_tokens, strict=True)
-    ]
-    index = {r.request_id: i for i, r in enumerate(requests)}
-    rows: list[dict[int, torch.Tensor]] = [{} for _ in sequences]
-    while engine.scheduler.has_unfinished():
-        batch = engine.scheduler.schedule()
-        input_ids, positions, meta, _ = engine.runner._prepare(batch)
-        logits = model.compute_logits(model.forward(input_ids, positions, meta, kv)).double()
-        engine.scheduler.after_step(batch)
-        row = 0
-        for s in batch.scheduled:
-            i = index[s.request.request_id]
-            for j in range(row, row + s.num_new_tokens):
-                rows[i][int(positions[j])] = logits[j]
-            row += s.num_new_tokens
-            if s.samples:
-                if s.request.num_tokens < len(sequences[i]):
-                    s.request.output_token_ids.append(sequences[i][s.request.num_tokens])
-                else:
-                    engine.abort(s.request.request_id)
-    assert engine.stats().num_blocks_used == 0
-    engine.check_integrity()
-    out = []
-    for seq, r in zip(sequences, rows, strict=True):
-        assert sorted(r) == list(range(len(seq)))
-        out.append(torch.stack([r[p] for p in range(len(seq))]))
-    return out
-
-
-def reference_logits(hf: Any, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """transformers' logits over each whole sequence in one forward, as float64."""
-    with torch.no_grad():
-        return [hf(torch.tensor([list(s)])).logits[0].double() for s in sequences]
-
-
-def assert_logits_close(
-    ours: list[torch.Tensor],
-    want: list[torch.Tensor],
-    num_prompt_tokens: Sequence[int],
-    prefill_atol: float,
-    decode_atol: float,
-) -> None:
-    for got, ref, n in zip(ours, want, num_prompt_tokens, strict=True):
-        assert got.shape == ref.shape
-        prefill = (got[:n] - ref[:n]).abs().max().item()
-        decode = (got[n:] - ref[n:]).abs().max().item()
-        assert prefill <= prefill_atol, f"prefill rows of a {len(got)}-token sequence: {prefill}"
-        assert decode <= decode_atol, f"decode rows of a {len(got)}-token sequence: {decode}"
 
 
 # -- the embedded model ------------------------------------------------------------------------

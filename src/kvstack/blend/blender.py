@@ -73,8 +73,9 @@ def blend_state(blender: Blender | None, spec: BlendSpec | None, token_ids: Sequ
     if num_sequences > 1:
         raise BlendError("blending runs one sample per request; use n=1 with blend")
     if blender is None:
-        raise BlendError("blending needs the paged KV cache, not window mode nor int4 K/V; "
-                         "turn the KV cache on, drop kv_window, or pick another kv_cache_dtype")
+        raise BlendError("blending needs the paged KV cache (not window mode nor int4 K/V) and "
+                         "a model without sliding-window layers (not Gemma 3); turn the KV cache "
+                         "on, drop kv_window, or pick another kv_cache_dtype or model")
     if sampling_params.prompt_logprobs is not None:
         raise BlendError("prompt_logprobs needs every prompt position computed; a blended "
                          "request reuses most of them: drop one or the other")

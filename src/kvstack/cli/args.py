@@ -39,7 +39,7 @@ def add_model_args(parser: argparse.ArgumentParser, cache_switches: bool = True)
     """The flags `load_llm` reads; without `cache_switches` both caches stay on."""
     group = parser.add_argument_group("model and KV cache")
     group.add_argument("--model", default=DEFAULT_MODEL,
-                       help="the embedded model's name, a .gguf file or a Hugging Face folder")
+                       help="smollm2-135m (embedded), gemma3-270m, a .gguf file or an HF folder")
     group.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                        help="weights and activations dtype")
     group.add_argument("--quantization", default=None, choices=("int8",),

@@ -56,7 +56,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     shared = argparse.ArgumentParser(add_help=False)
     shared.add_argument("--model", default=DEFAULT_MODEL,
-                        help="the embedded model's name, a .gguf file or a Hugging Face folder")
+                        help="smollm2-135m (embedded), gemma3-270m, a .gguf file or an HF folder")
     shared.add_argument("--threads", type=positive_int, default=2, metavar="N",
                         help="CPU threads for our engine and every peer alike")
     shared.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",

@@ -15,6 +15,7 @@ from kvstack.argtypes import DEFAULT_MODEL, byte_size, non_negative_int, positiv
 from kvstack.config import CacheConfig
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.dtypes import KV_CACHE_DTYPES, resolve
+from kvstack.kv.groups import AttentionGroup, attention_groups
 from kvstack.kv.sizing import KVShape
 from kvstack.units import format_bytes
 
@@ -46,7 +47,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     shape.add_argument("--heads", type=positive_int, metavar="N",
                        help="query heads, to report the GQA/MQA saving (optional)")
     parser.add_argument("--model", metavar="NAME",
-                        help="read the shape from this model's config (e.g. smollm2-135m)")
+                        help="read the shape from this model's config (e.g. gemma3-270m)")
     parser.add_argument("--kv-cache-dtype", "--dtype", dest="kv_dtype", default="auto",
                         choices=KV_CACHE_DTYPES,
                         help="KV element type; auto is --model-dtype")
@@ -83,12 +84,14 @@ def run(args: argparse.Namespace) -> int:
                "window": args.kv_window, "sink_tokens": args.kv_sink_tokens}
     rows: list[tuple[str, str]] = []
     num_heads = args.heads
+    groups: list[AttentionGroup] = []
     if args.model is not None:
         config = _load_checkpoint(args.model).config
         shape = KVShape.of(config, kv_dtype, **options)
         seq_len = args.seq_len or config.max_model_len
         num_heads = config.num_heads
         rows.append(("model", f"{args.model} ({config.architecture})"))
+        groups = attention_groups(config.layer_windows())
     elif len(given) == len(_SHAPE_FLAGS):
         shape = KVShape(args.layers, args.kv_heads, args.head_dim, kv_dtype, **options)
         if args.seq_len is None:
@@ -114,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
                      f"({shape.window_blocks * shape.block_size} tokens) in every layer"))
     rows.append((f"{seq_len} tokens x {args.batch} seqs",
                  _bytes(shape.bytes_for(seq_len, args.batch))))
+    if len(groups) > 1 and shape.window_blocks is None:
+        rows += _group_rows(shape, groups, seq_len, args.batch)
     if args.kv_cache_memory is not None:
         rows += _budget_rows(shape, args.kv_cache_memory, seq_len, args.max_num_seqs)
     width = max(len(label) for label, _ in rows)
@@ -135,6 +140,31 @@ def _budget_rows(shape: KVShape, budget: int, seq_len: int,
         (f"max seqs of {seq_len} tokens",
          f"{shape.max_sequences_for_budget(budget, None, seq_len, max_num_seqs):,}"),
     ]
+
+
+def _group_rows(shape: KVShape, groups: list[AttentionGroup], seq_len: int,
+                batch: int) -> list[tuple[str, str]]:
+    """Bytes per attention group: what the engine allocates (every layer, every token) and
+    what a hybrid allocator keeping only a window group's reachable blocks would hold."""
+    per_layer_block = shape.bytes_per_block // shape.num_layers
+    bs = shape.block_size
+    rows: list[tuple[str, str]] = []
+    allocated = hybrid = 0
+    for group in groups:
+        full_blocks = -(-seq_len // bs)
+        reach = group.blocks_reachable(seq_len, bs)
+        now = per_layer_block * len(group.layers) * full_blocks * batch
+        kept = per_layer_block * len(group.layers) * reach * batch
+        allocated, hybrid = allocated + now, hybrid + kept
+        detail = (f"{len(group.layers)} layers, {_bytes(now)} allocated "
+                  f"({full_blocks} blocks/layer/seq)")
+        if group.window is not None:
+            detail += f"; reachable: {reach} blocks/layer/seq, {format_bytes(kept)}"
+        rows.append((f"group {group.name}", detail))
+    rows.append(("hybrid saving", f"{format_bytes(hybrid)} would be held by a hybrid allocator "
+                 f"({allocated / hybrid:.1f}x less than all-global; NOT implemented yet: the "
+                 "engine allocates every layer for every token, exact either way)"))
+    return rows
 
 
 def _attention_kind(num_heads: int, num_kv_heads: int) -> str:

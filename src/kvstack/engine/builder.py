@@ -43,12 +43,20 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     ckpt = load_checkpoint(config.model)
+    family = family_of(ckpt.config.architecture)
+    cache = config.cache
+    if cache.kv_window is not None and any(w is not None for w in ckpt.config.layer_windows()):
+        raise InvalidRequestError(
+            f"kv_window (approximate window mode) is not supported for {family.name} models, "
+            "whose sliding-window layers are exact already; leave kv_window unset"
+        )
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(ckpt)
-    model = family_of(ckpt.config.architecture).create(
+    if tokenizer is not None and not tokenizer.chat_template and family.chat_template:
+        tokenizer.chat_template = family.chat_template  # the file carries none (Gemma 3 GGUFs)
+    model = family.create(
         ckpt.config, torch_dtype(config.dtype), config.quantization, config.kernels == "auto"
     )
     model.load_weights(ckpt.tensors)
-    cache = config.cache
     kv_cache_dtype = resolve(cache.kv_cache_dtype, config.dtype)
     window = (SlidingWindow(cache.kv_window, cache.kv_sink_tokens, cache.block_size)
               if cache.kv_window is not None else None)
@@ -106,7 +114,9 @@ def _build_kv(parts: EngineParts, config: EngineConfig) -> None:
         parts.window, storage.release, storage.copy_block,
     )
     # int4 storage quantizes a block when its last slot is written in order; placing chunks
-    # writes slots out of order.
-    if parts.window is None and parts.kv_cache_dtype != "int4":
+    # writes slots out of order. The blended step's row filter lives in the Llama layer loop:
+    # models with sliding-window layers (Gemma 3) do not blend.
+    if (parts.window is None and parts.kv_cache_dtype != "int4"
+            and all(w is None for w in parts.model.config.layer_windows())):
         parts.blender = Blender(parts.model, storage, parts.fingerprint, cache.chunk_cache_memory,
                                 parts.kv_tiers, config.scheduler.max_num_batched_tokens)

@@ -125,7 +125,7 @@ def greedy_agreement(reference: Sequence[Sequence[int]],
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
     """The flags of an evaluation that compares LLM settings on the held-out text."""
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="the embedded model's name, a .gguf file or a Hugging Face folder")
+                        help="smollm2-135m (embedded), gemma3-270m, a .gguf file or an HF folder")
     parser.add_argument("--tokens", type=positive_int, default=4096, metavar="N",
                         help="held-out tokens scored")
     parser.add_argument("--window", type=positive_int, default=1024, metavar="N",

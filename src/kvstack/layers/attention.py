@@ -10,7 +10,7 @@ query attends to exactly what later steps will read. Window mode has its own pat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -59,6 +59,8 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [B_d] real keys per decode row (int64)
     use_kernels: bool = False  # the C decode kernel may run (False: PyTorch ops only)
     blend: RowFilter | None = None  # a blended step (`blend/`): rows drop out after a layer
+    # window -> (decode slots, lens) narrowed to it, filled on first use within the step
+    window_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def paged_attention(
@@ -68,22 +70,30 @@ def paged_attention(
     v: torch.Tensor,
     meta: AttentionMetadata,
     kv_storage: KVCacheStorage | None,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D], k/v: [T, H_kv, D] for the step's new tokens -> out [T, H, D]."""
+    """q: [T, H, D], k/v: [T, H_kv, D] for the step's new tokens -> out [T, H, D].
+
+    `window`: the layer's own sliding window (a query sees its `window` most recent positions,
+    itself included; exact, as the model was trained); `scale`: the score scale (default
+    head_dim ** -0.5). Either one sends decodes through PyTorch rather than the C kernel.
+    """
     if (kv_storage is not None and meta.slot_mapping is not None
             and not _store_kernel(layer, k, v, meta, kv_storage)):
         kv_storage.write(layer, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     if meta.window is not None:
-        assert kv_storage is not None
+        assert kv_storage is not None and window is None and scale is None
         for window_span in meta.window:
             window_attention(layer, q, out, window_span, kv_storage)
         return out
     if kv_storage is not None and kv_storage.basis is not None:
         # K/V come back in the storage's orthonormal basis: meet them there (every span
         # reads them back, the cache being lossy), then turn the output back.
-        return _attend(layer, q @ kv_storage.basis, k, v, meta, kv_storage) @ kv_storage.basis.T
-    return _attend(layer, q, k, v, meta, kv_storage)
+        return _attend(layer, q @ kv_storage.basis, k, v, meta, kv_storage, window,
+                       scale) @ kv_storage.basis.T
+    return _attend(layer, q, k, v, meta, kv_storage, window, scale)
 
 
 def _attend(
@@ -93,40 +103,85 @@ def _attend(
     v: torch.Tensor,
     meta: AttentionMetadata,
     kv_storage: KVCacheStorage | None,
+    window: int | None,
+    scale: float | None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         assert kv_storage is not None
-        if not _decode_kernel(layer, q, out, meta, kv_storage):
-            kd, vd = kv_storage.read(layer, meta.decode_slots)  # [B, S, H_kv, D]
+        if not _decode_kernel(layer, q, out, meta, kv_storage, window, scale):
+            slots, mask = _decode_window(meta, window)
+            kd, vd = kv_storage.read(layer, slots)  # [B, S, H_kv, D]
             qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
             od = F.scaled_dot_product_attention(
-                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
+                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=scale,
                 enable_gqa=True,
             )
             out[meta.decode_rows] = od.squeeze(2)
     for span in meta.prefills:
         # 4-D [1, H, q, D] inputs: 3-D ones miss SDPA's fused CPU kernel (5x slower).
         qs = q[span.start : span.end].transpose(0, 1)[None]
+        num_q = span.end - span.start
         if span.slots is None:
             ks = k[span.start : span.end].transpose(0, 1)[None]
             vs = v[span.start : span.end].transpose(0, 1)[None]
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            if window is None or num_q <= window:
+                os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                     enable_gqa=True)
+            else:
+                os_ = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=_prefill_mask(num_q, num_q, window), scale=scale,
+                    enable_gqa=True)
         else:
             assert kv_storage is not None
-            kc, vc = kv_storage.read(layer, span.slots)
-            num_q = span.end - span.start
-            # query i sits at position context_len - num_q + i (or where `positions` says) and
-            # sees keys up to there
-            q_pos = (span.positions if span.positions is not None
-                     else torch.arange(span.context_len - num_q, span.context_len))
-            mask = torch.arange(span.context_len)[None, :] <= q_pos[:, None]
+            # A window layer reads only the keys its first query can still see. A blended step's
+            # queries carry their own positions (`span.positions`): masked by position.
+            if span.positions is None:
+                first = 0 if window is None else max(0, span.context_len - num_q - window + 1)
+                mask = _prefill_mask(num_q, span.context_len, window)[:, first:]
+            else:
+                first = 0
+                mask = _position_mask(span.positions, span.context_len, window)
+            kc, vc = kv_storage.read(layer, span.slots[first:])
             os_ = F.scaled_dot_product_attention(
-                qs, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], attn_mask=mask,
-                enable_gqa=True,
+                qs, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
+                attn_mask=mask, scale=scale, enable_gqa=True,
             )
         out[span.start : span.end] = os_[0].transpose(0, 1)
     return out
+
+
+def _prefill_mask(num_q: int, context_len: int, window: int | None) -> torch.Tensor:
+    """[num_q, context_len] True where a query sees a key: query i sits at position
+    context_len - num_q + i and sees keys up to there (and, with a window, after
+    position - window)."""
+    return _position_mask(torch.arange(context_len - num_q, context_len), context_len, window)
+
+
+def _position_mask(q_pos: torch.Tensor, context_len: int, window: int | None) -> torch.Tensor:
+    """[len(q_pos), context_len] True where a query at position q_pos[i] sees a key: keys up to
+    its position (and, with a window, after position - window)."""
+    k_pos = torch.arange(context_len)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos > q_pos[:, None] - window
+    return mask
+
+
+def _decode_window(meta: AttentionMetadata, window: int | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decode rows' slots and mask, narrowed to each row's window: columns no row can see
+    are not read at all (decode slots are in position order from 0, so a key's column is its
+    position, and a row's query sits at decode_lens - 1)."""
+    assert meta.decode_slots is not None
+    if window is None:
+        return meta.decode_slots, meta.decode_mask
+    assert meta.decode_mask is not None and meta.decode_lens is not None
+    first = max(0, int(meta.decode_lens.min()) - window)
+    k_pos = torch.arange(first, meta.decode_mask.shape[-1])[None, :]
+    recent = k_pos > (meta.decode_lens[:, None] - 1 - window)
+    return (meta.decode_slots[:, first:],
+            meta.decode_mask[..., first:] & recent[:, None, None, :])
 
 
 def _store_kernel(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -145,9 +200,11 @@ def _store_kernel(layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionM
 
 
 def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
-                   kv_storage: KVCacheStorage) -> bool:
+                   kv_storage: KVCacheStorage, window: int | None = None,
+                   scale: float | None = None) -> bool:
     """Decode rows through the C kernel, reading K/V slots in place (no gathered copy of the
-    context per step); False where it does not apply (lossy storage, kernels off)."""
+    context per step); a window layer gets each row's last `window` slots. False where it
+    does not apply (lossy storage, kernels off)."""
     tensors = kv_storage.layer_tensors(layer)
     if (not meta.use_kernels or meta.decode_lens is None or tensors is None
             or not kernel_ops.available(q.dtype)):
@@ -158,10 +215,29 @@ def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: Attenti
     rows = meta.decode_rows
     only_decodes = not meta.prefills and rows.numel() == q.shape[0]
     qd = q if only_decodes else q[rows]
-    od = kernel_ops.decode_attention(qd.contiguous(), k_cache, v_cache, meta.decode_slots,
-                                     meta.decode_lens, q.shape[-1] ** -0.5)
+    slots, lens = meta.decode_slots, meta.decode_lens
+    if window is not None:
+        slots, lens = _window_slots(meta, window)
+    od = kernel_ops.decode_attention(qd.contiguous(), k_cache, v_cache, slots, lens,
+                                     q.shape[-1] ** -0.5 if scale is None else scale)
     if only_decodes:
         out.copy_(od)
     else:
         out[rows] = od
     return True
+
+
+def _window_slots(meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode row's last `window` slots, left-aligned, and their counts: built once per
+    step and window (every sliding layer of the step shares them)."""
+    cached = meta.window_slots.get(window)
+    if cached is None:
+        assert meta.decode_slots is not None and meta.decode_lens is not None
+        lens = meta.decode_lens.clamp(max=window)
+        first = meta.decode_lens - lens
+        width = max(int(lens.max()), 1)
+        index = (first[:, None] + torch.arange(width)[None, :]).clamp(
+            max=meta.decode_slots.shape[1] - 1)
+        cached = meta.window_slots[window] = (
+            meta.decode_slots.gather(1, index).contiguous(), lens.contiguous())
+    return cached

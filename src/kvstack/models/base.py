@@ -63,3 +63,6 @@ class ModelFamily:
     config_from_hf: Callable[[dict[str, Any], Path], ModelConfig]
     # HF tensor name -> shape of every tensor the model reads.
     expected_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
+    # Jinja chat template for model files that carry none (None: such files take plain
+    # prompts only).
+    chat_template: str | None = None

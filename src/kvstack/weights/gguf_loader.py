@@ -10,16 +10,17 @@ from typing import Any, NamedTuple
 import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as QType
 
 from kvstack.config import ModelConfig
-from kvstack.errors import ModelLoadError, UnsupportedModelError, one_line
+from kvstack.errors import ModelLoadError, UnsupportedModelError
 from kvstack.weights.checkpoint import (
     Checkpoint,
     check_tensors,
     fingerprint_files,
     model_config_from_hf,
 )
+from kvstack.weights.gguf_gemma3 import load_gemma3_gguf
+from kvstack.weights.gguf_read import check_tensor_types, dequantize_tensor, gguf_value, open_gguf
 
 
 class _Arch(NamedTuple):
@@ -37,11 +38,7 @@ _ARCHITECTURES = {
     "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", True, False),
 }
 
-_SUPPORTED_TYPES = frozenset({
-    QType.F32, QType.F16, QType.BF16,
-    QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
-    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
-})  # fmt: skip
+_GEMMA3 = "gemma3"  # weights/gguf_gemma3.py
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -67,24 +64,22 @@ _LLAMA3_ORIGINAL_CONTEXT = 8192
 
 
 def load_gguf(path: Path) -> Checkpoint:
-    """Dequantize every tensor of a llama/qwen2 GGUF to float32 and map it to HF names."""
-    reader = _open(path)
-    arch_name = _value(reader, "general.architecture")
+    """Dequantize every tensor of a llama/qwen2/gemma3 GGUF to float32 and map it to HF
+    names."""
+    reader = open_gguf(path)
+    arch_name = gguf_value(reader, "general.architecture")
     if arch_name is None:
         raise ModelLoadError(f"{path} lacks general.architecture; the file is incomplete")
-    if arch_name not in _ARCHITECTURES:
+    if arch_name not in _ARCHITECTURES and arch_name != _GEMMA3:
         raise UnsupportedModelError(
             f"{path}: GGUF architecture {arch_name!r} is not supported "
-            f"(supported: {', '.join(_ARCHITECTURES)})"
+            f"(supported: {', '.join([*_ARCHITECTURES, _GEMMA3])})"
         )
-    arch = _ARCHITECTURES[arch_name]
     infos = {t.name: t for t in reader.tensors}
-    for info in infos.values():
-        if info.tensor_type not in _SUPPORTED_TYPES:
-            raise UnsupportedModelError(
-                f"{path}: tensor {info.name} has type {info.tensor_type.name}, which is not "
-                "supported; use a file quantized to F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_*/Q*_K"
-            )
+    check_tensor_types(infos, path)
+    if arch_name == _GEMMA3:  # its own names, norm convention and config
+        return load_gemma3_gguf(reader, path)
+    arch = _ARCHITECTURES[arch_name]
     hf_config = _hf_config(reader, arch_name, arch, infos, path)
     config = model_config_from_hf(hf_config, path)
 
@@ -92,7 +87,7 @@ def load_gguf(path: Path) -> Checkpoint:
     for name, info in infos.items():
         if name == _ROPE_FREQS:  # folded into hf_config["rope_scaling"]
             continue
-        tensors[_hf_name(name, path)] = _dequantize(info, path)
+        tensors[_hf_name(name, path)] = dequantize_tensor(info, path)
     check_tensors(tensors, config, path)
     if arch.permuted_qk:
         _unpermute_qk(tensors, config)
@@ -109,21 +104,6 @@ def load_gguf(path: Path) -> Checkpoint:
     )
 
 
-def _open(path: Path) -> gguf.GGUFReader:
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as err:  # the reader raises bare ValueError/IndexError/... on bad bytes
-        raise ModelLoadError(
-            f"cannot read {path} as GGUF ({one_line(err)}); "
-            "the file is truncated or not a GGUF, re-download it"
-        ) from err
-
-
-def _value(reader: gguf.GGUFReader, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
-
-
 def _hf_config(
     reader: gguf.GGUFReader,
     prefix: str,
@@ -132,7 +112,7 @@ def _hf_config(
     path: Path,
 ) -> dict[str, Any]:
     def required(key: str) -> Any:
-        value = _value(reader, f"{prefix}.{key}")
+        value = gguf_value(reader, f"{prefix}.{key}")
         if value is None:
             raise ModelLoadError(
                 f"{path} lacks GGUF metadata {prefix}.{key}; the file is incomplete, re-convert it"
@@ -144,31 +124,31 @@ def _hf_config(
     hidden = int(required("embedding_length"))
     num_heads = int(required("attention.head_count"))
     head_dim = int(
-        _value(reader, f"{prefix}.attention.key_length")
-        or _value(reader, f"{prefix}.rope.dimension_count")
+        gguf_value(reader, f"{prefix}.attention.key_length")
+        or gguf_value(reader, f"{prefix}.rope.dimension_count")
         or hidden // num_heads
     )
-    rope_theta = float(_value(reader, f"{prefix}.rope.freq_base") or 10000.0)
+    rope_theta = float(gguf_value(reader, f"{prefix}.rope.freq_base") or 10000.0)
     eos_ids = [
         int(v)
         for key in ("eos_token_id", "eot_token_id", "eom_token_id")
-        if (v := _value(reader, f"tokenizer.ggml.{key}")) is not None
+        if (v := gguf_value(reader, f"tokenizer.ggml.{key}")) is not None
     ]
     eos_ids = list(dict.fromkeys(eos_ids))
-    bos = _value(reader, "tokenizer.ggml.bos_token_id")
+    bos = gguf_value(reader, "tokenizer.ggml.bos_token_id")
     return {
         "architectures": [arch.hf_class],
         "model_type": arch.model_type,
         # The embedding's row count is authoritative (token lists are sometimes padded or short).
         "vocab_size": int(
-            _value(reader, f"{prefix}.vocab_size") or infos["token_embd.weight"].shape[1]
+            gguf_value(reader, f"{prefix}.vocab_size") or infos["token_embd.weight"].shape[1]
         ),
         "hidden_size": hidden,
         "intermediate_size": int(required("feed_forward_length")),
         "num_hidden_layers": int(required("block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(
-            _value(reader, f"{prefix}.attention.head_count_kv") or num_heads
+            gguf_value(reader, f"{prefix}.attention.head_count_kv") or num_heads
         ),
         "head_dim": head_dim,
         "max_position_embeddings": int(required("context_length")),
@@ -194,10 +174,10 @@ def _rope_scaling(
     if _ROPE_FREQS in infos:
         factors = gguf.quants.dequantize(infos[_ROPE_FREQS].data, infos[_ROPE_FREQS].tensor_type)
         return _llama3_from_rope_freqs(factors.reshape(-1), head_dim, theta, path)
-    kind = _value(reader, f"{prefix}.rope.scaling.type")
+    kind = gguf_value(reader, f"{prefix}.rope.scaling.type")
     if kind in (None, "none"):
         return None
-    factor = _value(reader, f"{prefix}.rope.scaling.factor")
+    factor = gguf_value(reader, f"{prefix}.rope.scaling.factor")
     if kind == "linear" and factor is not None:
         return {"rope_type": "linear", "factor": float(factor)}
     # Running with plain rope instead would silently give wrong outputs.
@@ -268,23 +248,6 @@ def _hf_name(name: str, path: Path) -> str:
         f"{path} has tensor {name} that the Llama-family model does not use; "
         "this model variant is not supported"
     )
-
-
-def _dequantize(info: gguf.ReaderTensor, path: Path) -> torch.Tensor:
-    try:
-        # A plain ndarray view: numpy memmap slicing overhead dominates small-block dequantization.
-        values = gguf.quants.dequantize(np.asarray(info.data), info.tensor_type)
-    except Exception as err:  # malformed blocks surface as numpy shape errors
-        raise ModelLoadError(
-            f"cannot dequantize tensor {info.name} of {path} ({one_line(err)}); "
-            "the file is corrupt, re-download it"
-        ) from err
-    # F32 comes back as a view of the read-only memory map: own the memory.
-    if not values.flags.writeable:
-        values = values.copy()
-    # ggml lists dimensions innermost first; numpy/torch outermost first.
-    shape = tuple(int(d) for d in reversed(info.shape.tolist()))
-    return torch.from_numpy(values.reshape(shape))
 
 
 def _unpermute_qk(tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:

@@ -10,7 +10,8 @@ from kvstack.weights.safetensors_loader import load_safetensors
 
 
 def load_checkpoint(model: str) -> Checkpoint:
-    """Load `smollm2-135m`, a .gguf file, or a Hugging Face folder (config.json + safetensors)."""
+    """Load `smollm2-135m`, `gemma3-270m`, a .gguf file, or a Hugging Face folder
+    (config.json + safetensors)."""
     path = resolve_model(model)
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path)
