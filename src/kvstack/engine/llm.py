@@ -21,6 +21,7 @@ from kvstack.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from kvstack.engine.chat import Message, chat_token_ids
 from kvstack.engine.core import LLMEngine
 from kvstack.engine.info import ModelInfo
+from kvstack.engine.request import Request
 from kvstack.engine.stats import EngineStats
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.snapshot import KVSnapshot
@@ -174,7 +175,9 @@ class LLM:
             # An error mid-batch (or Ctrl-C) must not leave requests holding blocks.
             for r in requests:
                 self.engine.abort(r.request_id)
-        return [(final[r.request_id], r.scored) for r in requests]
+        # Only a single request scores positions (`score`); a sample group (n > 1) has none.
+        return [(final[r.request_id], r.scored if isinstance(r, Request) else None)
+                for r in requests]
 
     def _prompt_input(self, prompt: PromptType, blend: BlendParams | None
                       ) -> tuple[str | list[int], BlendSpec | None]:
