@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstack.blend.params import BlendParams, Chunk
 from kvstack.errors import KvstackError
 from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.sampling_params import SamplingParams
@@ -14,7 +13,7 @@ if TYPE_CHECKING:
     from kvstack.engine.llm import LLM
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "KvstackError",
-           "Chunk", "BlendParams", "__version__"]
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:

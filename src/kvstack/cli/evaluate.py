@@ -11,8 +11,7 @@ import argparse
 import importlib
 from typing import Any
 
-EVALS: tuple[str, ...] = ("kvstack.eval.semantic", "kvstack.eval.ppl", "kvstack.eval.kv",
-                          "kvstack.eval.blend")
+EVALS: tuple[str, ...] = ("kvstack.eval.semantic", "kvstack.eval.ppl", "kvstack.eval.kv")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -120,10 +120,6 @@ class OpenAISampling(ExtraSampling):
 
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage]
-    # [{"title", "text"}], each one a chunk in the system message; `blend`: BlendParams' fields
-    # (reuse the documents' K/V, APPROXIMATE; `blend/`).
-    documents: list[dict[str, Any]] | None = None
-    blend: dict[str, Any] | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -132,15 +128,8 @@ class ChatCompletionRequest(OpenAISampling):
     parallel_tool_calls: bool | None = None
 
 
-class SegmentBody(_Body):
-    text: str
-    chunk: bool = False
-
-
 class CompletionRequest(OpenAISampling):
-    prompt: str | list[int] | list[str] | list[list[int]] | None = None
-    segments: list[SegmentBody] | None = None  # instead of prompt: each tokenized alone
-    blend: dict[str, Any] | None = None
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None
