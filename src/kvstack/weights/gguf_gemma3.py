@@ -27,7 +27,7 @@ from kvstack.weights.checkpoint import (
     fingerprint_files,
     model_config_from_hf,
 )
-from kvstack.weights.gguf_read import dequantize_tensor, gguf_value
+from kvstack.weights.gguf_read import dequantize_tensor, gguf_value, required_value
 
 ARCH = "gemma3"
 _GLOBAL_NAMES = {
@@ -103,12 +103,7 @@ def gemma3_hf_config(
     for this file, plus <end_of_turn> among the EOS ids."""
 
     def required(key: str) -> Any:
-        value = gguf_value(reader, f"{ARCH}.{key}")
-        if value is None:
-            raise ModelLoadError(
-                f"{path} lacks GGUF metadata {ARCH}.{key}; the file is incomplete, re-convert it"
-            )
-        return value
+        return required_value(reader, f"{ARCH}.{key}", path)
 
     if "token_embd.weight" not in infos:
         raise ModelLoadError(f"{path} lacks tensor token_embd.weight; re-download or re-convert it")

@@ -22,7 +22,13 @@ from kvstack.weights.checkpoint import (
 )
 from kvstack.weights.gguf_blocks import as_blocks, is_linear_weight, notice_fallbacks, unpermute_qk
 from kvstack.weights.gguf_gemma3 import load_gemma3_gguf
-from kvstack.weights.gguf_read import check_tensor_types, dequantize_tensor, gguf_value, open_gguf
+from kvstack.weights.gguf_read import (
+    check_tensor_types,
+    dequantize_tensor,
+    gguf_value,
+    open_gguf,
+    required_value,
+)
 
 
 class _Arch(NamedTuple):
@@ -130,12 +136,7 @@ def _hf_config(
     path: Path,
 ) -> dict[str, Any]:
     def required(key: str) -> Any:
-        value = gguf_value(reader, f"{prefix}.{key}")
-        if value is None:
-            raise ModelLoadError(
-                f"{path} lacks GGUF metadata {prefix}.{key}; the file is incomplete, re-convert it"
-            )
-        return value
+        return required_value(reader, f"{prefix}.{key}", path)
 
     if "token_embd.weight" not in infos:
         raise ModelLoadError(f"{path} lacks tensor token_embd.weight; re-download or re-convert it")

@@ -47,6 +47,16 @@ class _Reader(gguf.GGUFReader):
         return arr.view(arr.dtype.newbyteorder(order))
 
 
+def required_value(reader: gguf.GGUFReader, key: str, path: Path) -> Any:
+    """Metadata field `key` of the file; a typed load error naming it when it is missing."""
+    value = gguf_value(reader, key)
+    if value is None:
+        raise ModelLoadError(
+            f"{path} lacks GGUF metadata {key}; the file is incomplete, re-convert it"
+        )
+    return value
+
+
 def open_gguf(path: Path) -> gguf.GGUFReader:
     """A GGUF reader; ModelLoadError when the bytes are not a readable GGUF."""
     try:
