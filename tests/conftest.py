@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +32,17 @@ def _share_checkpoints() -> Iterator[None]:
     patch.setattr(engine_module, "load_checkpoint", cached_checkpoint)
     yield
     patch.undo()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_closes_its_tier_writers() -> Iterator[None]:
+    """Every engine a module opens is closed by its end: a tier writer thread left running
+    is a leaked engine (and it would fail a later module's stricter per-test check instead)."""
+    before = set(threading.enumerate())
+    yield
+    left = [t for t in threading.enumerate()
+            if t.name == "kvstack-kv-writer" and t not in before]
+    assert not left, f"{len(left)} KV tier writer thread(s) outlived this module"
 
 
 @pytest.fixture(scope="module")

@@ -92,7 +92,9 @@ class Cluster:
         return r.json()
 
     def replace(self, name: str) -> None:
-        """Serve's part after a kill: a fresh replica under the same name."""
+        """Serve's part after a kill: a fresh replica under the same name. The killed one's
+        process would be gone; here its engine (and tier writer thread) is closed."""
+        self.replicas[name].shutdown()
         self.replicas[name] = EngineReplica(name, self.llm_kwargs)
         self.transport.live.add(name)
         self.transport._dead.pop(name, None)
