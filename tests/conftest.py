@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers.tiny_models import make_tiny_hf_folder
 
 import kvstack.engine.builder as engine_module
 from kvstack.bench.peers import transformers_model
@@ -63,3 +65,10 @@ def embedded_checkpoint() -> Checkpoint:
 @pytest.fixture(scope="session")
 def hf_embedded(embedded_checkpoint: Checkpoint) -> Any:
     return transformers_model(embedded_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer tiny random model for blending (its check layer needs layers after it)."""
+    return make_tiny_hf_folder(tmp_path_factory.mktemp("blend"), "gqa", num_hidden_layers=4,
+                               max_position_embeddings=512)

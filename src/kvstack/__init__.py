@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvstack.blend.params import BlendParams, Chunk
 from kvstack.errors import KvstackError
 from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.sampling_params import SamplingParams
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from kvstack.engine.llm import LLM
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "KvstackError",
-           "__version__"]
+           "Chunk", "BlendParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -90,6 +90,8 @@ class CacheConfig:
     # slide out are freed, so one conversation runs for ever in constant memory.
     kv_window: int | None = None
     kv_sink_tokens: int = 4
+    # Bytes of chunk entries (blending, `blend/`) kept in memory; the tiers hold them too.
+    chunk_cache_memory: int = 512 * 1024**2
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -106,7 +108,8 @@ class CacheConfig:
                 "window mode caches no prefix blocks, so it cannot use KV tiers; "
                 "drop kv_window or the tier options (kv_disk_dir, kv_redis_url)"
             )
-        for name in ("kv_disk_bytes", "kv_redis_ttl_s", "kv_tier_queue_bytes"):
+        for name in ("kv_disk_bytes", "kv_redis_ttl_s", "kv_tier_queue_bytes",
+                     "chunk_cache_memory"):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_redis_url and not self.kv_redis_url.startswith(

@@ -61,10 +61,22 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
 
 
+@dataclass(frozen=True)
+class BlendUsage:
+    """What a blended request reused (`blend/`). Exact prefix-cache hits are counted in
+    `num_cached_tokens`, not here."""
+
+    chunks_hit: int  # chunks past the exact prefix found in the chunk cache
+    chunks_missed: int  # chunks past the exact prefix computed in context (and cached later)
+    reused_tokens: int  # prompt tokens whose K/V were placed from chunk entries
+    recomputed_tokens: int  # of those, the ones recomputed in context through every layer
+    # Prompt token-layers computed, over full prefill's (tokens x layers): linear-layer work.
+    compute: float
 # Where a prompt token's K/V came from (`Provenance.prompt`), in prompt order:
 PREFIX_CACHE = "prefix_cache"  # read from the memory prefix cache
 TIER = "tier"  # restored from a tier below the memory pool (disk, Redis)
 COMPUTED = "computed"  # computed by this request's prefill
+BLENDED = "blended"  # placed from a cached chunk and not recomputed (APPROXIMATE, `blend/`)
 # and where an output token came from (`Provenance.output`):
 DRAFT = "draft"  # a draft token the model verified and accepted (several in one step)
 MODEL = "model"  # sampled by the model (one per step, also after a verify step)
@@ -100,4 +112,6 @@ class RequestOutput:
     # Draft tokens verified for this request (fed to the model) and how many were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # A blended request's chunk reuse (None: not blended, or not admitted yet).
+    blend: BlendUsage | None = None
     provenance: Provenance = field(default_factory=Provenance)

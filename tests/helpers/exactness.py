@@ -39,14 +39,16 @@ def teacher_forced_logits(
         batch = engine.scheduler.schedule()
         input_ids, positions, meta, _ = engine.runner._prepare(batch)
         logits = model.compute_logits(model.forward(input_ids, positions, meta, kv)).double()
+        # `samples` compares against the computed count, so read it before the step advances it.
+        sampled = [s.samples for s in batch.scheduled]
         engine.scheduler.after_step(batch)
         row = 0
-        for s in batch.scheduled:
+        for s, samples in zip(batch.scheduled, sampled, strict=True):
             i = index[s.request.request_id]
             for j in range(row, row + s.num_new_tokens):
                 rows[i][int(positions[j])] = logits[j]
             row += s.num_new_tokens
-            if s.samples:
+            if samples:
                 if s.request.num_tokens < len(sequences[i]):
                     s.request.output_token_ids.append(sequences[i][s.request.num_tokens])
                 else:

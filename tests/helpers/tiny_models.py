@@ -48,13 +48,15 @@ _BASE: dict[str, Any] = {
 }
 
 
-def tiny_config(variant: str) -> PretrainedConfig:
-    """The transformers config of a variant (see VARIANTS)."""
+def tiny_config(variant: str, **overrides: Any) -> PretrainedConfig:
+    """The transformers config of a variant (see VARIANTS); `overrides` replace base fields
+    (e.g. num_hidden_layers)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown tiny model variant {variant!r}; use one of {VARIANTS}")
     kwargs = dict(_BASE)
     kwargs["num_key_value_heads"] = {"mha": 4, "mqa": 1}.get(variant, 2)
     kwargs["tie_word_embeddings"] = variant == "tied"
+    kwargs.update(overrides)
     if variant == "qkv_bias":
         return Qwen2Config(**kwargs)
     if variant == "mistral":
@@ -69,10 +71,11 @@ def make_tiny_hf_folder(
     variant: str,
     dtype: torch.dtype = torch.float32,
     max_shard_size: str | None = None,
+    **overrides: Any,
 ) -> Path:
     """Save a seeded random model of `variant` as config.json + safetensors; return the folder."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(variant))
+    model = AutoModelForCausalLM.from_config(tiny_config(variant, **overrides))
     with torch.no_grad():
         # Default init leaves norms at 1 and biases at 0, which would hide name or order mix-ups.
         for name, param in model.named_parameters():
@@ -82,6 +85,9 @@ def make_tiny_hf_folder(
                 param.normal_(0.0, 0.05)
     model.to(dtype)
     folder = tmp_path / f"tiny-{variant}-{str(dtype).removeprefix('torch.')}"
+    if overrides:
+        folder = folder.with_name(folder.name + "-" + "-".join(
+            f"{k}{v}" for k, v in sorted(overrides.items())))
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(folder, **kwargs)
     return folder

@@ -29,6 +29,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in
     "layers drafts structured",
     "models",
     "weights",
+    "blend",
     "engine",
     "ui",
     "eval server bench cluster",

@@ -63,6 +63,9 @@ def add_model_args(parser: argparse.ArgumentParser, cache_switches: bool = True)
                        "conversation may run past the model's context in constant memory")
     group.add_argument("--kv-sink-tokens", type=non_negative_int, default=4, metavar="N",
                        help="with --kv-window: first tokens every token keeps attending to")
+    group.add_argument("--chunk-cache-memory", type=byte_size, default="512MiB", metavar="SIZE",
+                       help="bytes of chunk entries kept in memory for blending (APPROXIMATE "
+                       "reuse of documents in any order; requests opt in with blend)")
     add_tier_args(parser)
     if not cache_switches:
         parser.set_defaults(no_kv_cache=False, no_prefix_caching=False)
@@ -120,7 +123,8 @@ def llm_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     # A baseline built with its caches off (e.g. the demo's) has no tiers (or KV options) either.
     if overrides.get("use_kv_cache") is not False:
         kwargs |= {"kv_cache_dtype": args.kv_cache_dtype, "kv_window": args.kv_window,
-                   "kv_sink_tokens": args.kv_sink_tokens}
+                   "kv_sink_tokens": args.kv_sink_tokens,
+                   "chunk_cache_memory": getattr(args, "chunk_cache_memory", 512 * 1024**2)}
         if overrides.get("enable_prefix_caching") is not False:
             kwargs |= tier_kwargs(args)
     return kwargs | overrides

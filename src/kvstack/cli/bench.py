@@ -32,6 +32,8 @@ CASES = {
                 "KV bytes and wall time",
     "structured": "decode time per token under a JSON-schema constraint vs unconstrained, "
                   "batch 1 and 16",
+    "rag": "TTFT of 6 reordered ~300-token documents: full prefill vs prefix cache vs "
+           "blending (approximate; KL vs full prefill)",
 }
 # `all` runs these: the cluster case needs Ray and redis-server and takes most of an hour.
 ALL_CASES = [name for name in CASES if name != "cluster"]

@@ -37,8 +37,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     warm = actions.add_parser("warm", help="prefill a document and store its KV blocks",
                               description="Run a prefill of the document (one token generated) "
                               "and wait until its full KV blocks are in every tier given.")
-    warm.add_argument("--file", required=True, metavar="PATH",
-                      help="the document (UTF-8 text), or - for stdin")
+    source = warm.add_mutually_exclusive_group(required=True)
+    source.add_argument("--file", metavar="PATH",
+                        help="the document (UTF-8 text), or - for stdin")
+    source.add_argument("--chunk", nargs="+", metavar="PATH",
+                        help="store each file's text as a chunk entry for blending (reused "
+                        "at any position by requests that opt in; APPROXIMATE)")
     add_model_args(warm, cache_switches=False)
     warm.set_defaults(run=run_warm)
     for name, text, run in (("ls", "list the blocks the tiers hold", run_ls),
@@ -56,6 +60,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_warm(args: argparse.Namespace) -> int:
     if not (args.kv_disk_dir or args.kv_redis_url):
         raise InvalidRequestError("nowhere to warm into; give --kv-disk-dir and/or --kv-redis-url")
+    if args.chunk:
+        return _warm_chunks(args)
     text = sys.stdin.read() if args.file == "-" else _read(Path(args.file))
     if not text:
         raise InvalidRequestError(f"{args.file} is empty; give a document to warm")
@@ -69,6 +75,19 @@ def run_warm(args: argparse.Namespace) -> int:
           f"in {time.perf_counter() - start:.1f} s"
           + (f" (faults: {faults})" if faults else ""))
     return 0 if num_stored or num_tokens < args.block_size else 1
+
+
+def _warm_chunks(args: argparse.Namespace) -> int:
+    texts = [_read(Path(p)) for p in args.chunk]
+    start = time.perf_counter()
+    with load_llm(args) as llm:
+        num_new = llm.precompute_chunks(texts)
+        faults = {name: s.faults for name, s in llm.tier_stats().items() if s.faults}
+    where = ", ".join(t for t in (args.kv_disk_dir, args.kv_redis_url) if t)
+    print(f"warmed {num_new} chunk entries ({len(texts) - num_new} held already) from "
+          f"{len(texts)} files into {where} in {time.perf_counter() - start:.1f} s"
+          + (f" (faults: {faults})" if faults else ""))
+    return 1 if faults else 0
 
 
 def _read(path: Path) -> str:
@@ -133,7 +152,14 @@ def _entry(tier: str, name: str, size: int, head: bytes, age_s: float | None) ->
     try:
         h = parse_header(head)
     except BlockFault as err:
-        return BlockEntry(tier, name, size, None, f"bad header: {err}", age_s)
+        from kvstack.blend.codec import parse_chunk_header  # torch: only when listing
+
+        try:
+            c = parse_chunk_header(head)
+        except BlockFault:
+            return BlockEntry(tier, name, size, None, f"bad header: {err}", age_s)
+        return BlockEntry(tier, name, size, c.fingerprint, f"chunk entry ({c.dtype} layers="
+                          f"{c.num_layers} tokens={c.num_tokens}; blending)", age_s)
     describe = (f"{h.dtype} layers={h.num_layers} kv_heads={h.num_kv_heads} "
                 f"head_dim={h.head_dim} block={h.block_size}")
     return BlockEntry(tier, name, size, h.fingerprint, describe, age_s)

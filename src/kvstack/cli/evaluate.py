@@ -11,7 +11,8 @@ import argparse
 import importlib
 from typing import Any
 
-EVALS: tuple[str, ...] = ("kvstack.eval.semantic", "kvstack.eval.ppl", "kvstack.eval.kv")
+EVALS: tuple[str, ...] = ("kvstack.eval.semantic", "kvstack.eval.ppl", "kvstack.eval.kv",
+                          "kvstack.eval.blend")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

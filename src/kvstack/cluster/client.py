@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
+from kvstack.blend.params import BlendError, BlendSpec
 from kvstack.cluster.events import BlockKey
 from kvstack.cluster.router import request_keys
 from kvstack.cluster.stats import cluster_summary, sum_stats
@@ -111,8 +112,11 @@ class ClusterEngine:
 
     async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams,
                        request_id: str, cache_salt: str | None = None,
-                       draft_token_ids: Sequence[int] | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       draft_token_ids: Sequence[int] | None = None,
+                       blend: BlendSpec | None = None) -> AsyncIterator[RequestOutput]:
+        if blend is not None:
+            raise BlendError("blending is not available with --replicas yet; send the "
+                             "documents without blend")
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         keys = tuple(request_keys(ids, self.layout, cache_salt))
         text = self.tokenizer.decode(ids) if self.send_text and self.tokenizer else None

@@ -11,6 +11,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from kvstack.blend.params import BlendSpec
 from kvstack.engine.core import LLMEngine
 from kvstack.engine.info import ModelInfo
 from kvstack.engine.stats import EngineStats
@@ -124,12 +125,13 @@ class AsyncLLM:
         request_id: str,
         cache_salt: str | None = None,
         draft_token_ids: Sequence[int] | None = None,
+        blend: BlendSpec | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request (validation errors raise here) and stream its outputs."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         await asyncio.to_thread(self._add, prompt, sampling_params, request_id, cache_salt,
-                                draft_token_ids, loop, queue)
+                                draft_token_ids, loop, queue, blend)
         finished = False
         try:
             while not finished:
@@ -151,6 +153,7 @@ class AsyncLLM:
         draft_token_ids: Sequence[int] | None,
         loop: asyncio.AbstractEventLoop,
         queue: asyncio.Queue[Any],
+        blend: BlendSpec | None = None,
     ) -> None:
         if self._error is not None:
             raise EngineDeadError(f"engine failed: {self._error!r}; restart the server")
@@ -160,7 +163,8 @@ class AsyncLLM:
                     f"{self.max_waiting} requests are already waiting; retry later"
                 )
             self.engine.add_request(prompt, sampling_params, request_id=request_id,
-                                    cache_salt=cache_salt, draft_token_ids=draft_token_ids)
+                                    cache_salt=cache_salt, draft_token_ids=draft_token_ids,
+                                    blend=blend)
             self._streams[request_id] = (loop, queue)
         self._wake.set()
 

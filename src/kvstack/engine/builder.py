@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvstack.blend.blender import Blender
 from kvstack.config import EngineConfig, ModelConfig
 from kvstack.engine.tokenizer import load_tokenizer
 from kvstack.errors import InvalidRequestError
@@ -35,6 +36,7 @@ class EngineParts:
     kv_storage: KVCacheStorage | None = None
     kv_manager: KVCacheManager | None = None
     kv_tiers: TierChain | None = None
+    blender: Blender | None = None  # chunk cache, blending; None: no KV cache, window, int4
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
@@ -111,3 +113,10 @@ def _build_kv(parts: EngineParts, config: EngineConfig) -> None:
         parts.fingerprint, int(num_blocks * cache.max_pinned_fraction), parts.kv_tiers,
         parts.window, storage.release, storage.copy_block,
     )
+    # int4 storage quantizes a block when its last slot is written in order; placing chunks
+    # writes slots out of order. The blended step's row filter lives in the Llama layer loop:
+    # models with sliding-window layers (Gemma 3) do not blend.
+    if (parts.window is None and parts.kv_cache_dtype != "int4"
+            and all(w is None for w in parts.model.config.layer_windows())):
+        parts.blender = Blender(parts.model, storage, parts.fingerprint, cache.chunk_cache_memory,
+                                parts.kv_tiers, config.scheduler.max_num_batched_tokens)

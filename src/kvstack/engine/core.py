@@ -8,6 +8,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from kvstack.blend.blender import blend_state
+from kvstack.blend.params import BlendSpec
 from kvstack.config import EngineConfig
 from kvstack.drafts.prompt_lookup import propose_drafts
 from kvstack.drafts.verify import next_window, remaining_draft
@@ -57,7 +59,8 @@ class LLMEngine:
         )
         self.eos_token_ids = self._eos_ids()
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), self.window)
+        self.blender = parts.blender  # chunk cache and blended steps (`blend/`)
+        self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), self.window, self.blender)
         self.requests: dict[str, Request] = {}
         self.groups = SampleGroups(completion_output)  # parallel samples, by the caller's id
         self._structured: StructuredBackend | None = None  # built on the first constraint
@@ -86,8 +89,13 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         draft_token_ids: Sequence[int] | None = None,
+        blend: BlendSpec | None = None,
+        num_scored: int = 0,
     ) -> Request | SampleGroup:
         """Validate and queue a request. Raises a KvstackError subclass on bad input.
+
+        `blend`: reuse the prompt's chunks' K/V (APPROXIMATE, `blend/`). `num_scored`: keep
+        the log-prob rows of the last prompt positions (`Request.scored`).
 
         `draft_token_ids`: a guess at the output, verified against the model's own greedy
         choices (only the agreeing prefix is kept; greedy requests without penalties only,
@@ -96,14 +104,7 @@ class LLMEngine:
         request runs as a `SampleGroup` of samples sharing the prompt (`engine/parallel.py`)."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
-        max_len = self.max_model_len
-        if self.window is not None:
-            # Window mode never runs out of context: positions are indices in the window.
-            max_tokens = sampling_params.max_tokens or max_len
-        elif len(token_ids) >= max_len:
-            raise PromptTooLongError(len(token_ids), max_len)
-        else:
-            max_tokens = min(sampling_params.max_tokens or max_len, max_len - len(token_ids))
+        max_tokens = self._max_tokens(sampling_params, len(token_ids))
         sp = sampling_params
         check_fits(sp, self.config.scheduler, self.kv_manager, self.window is not None,
                    len(token_ids), max_tokens)
@@ -112,6 +113,7 @@ class LLMEngine:
         if any(i in self.requests or i in self.groups for i in {request_id, *ids}):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         grammar = self._grammar(sp)
+        blended = blend_state(self.blender, blend, token_ids, cache_salt, sp, len(ids), num_scored)
         requests = []
         for i, rid in enumerate(ids):
             request = self.requests[rid] = Request(
@@ -126,6 +128,8 @@ class LLMEngine:
                 draft_token_ids=self._draft(draft_token_ids, max_tokens),
                 parent_request_id=None if len(ids) == 1 else request_id,
                 sample_index=i,
+                blend=blended,
+                num_scored=min(max(num_scored, 0), len(token_ids)),
             )
             if grammar is not None and self._structured is not None:
                 request.sampling_state.guide = self._structured.guide(grammar, request)
@@ -137,6 +141,15 @@ class LLMEngine:
         for request in [requests[0]] if requests[0].pending_forks else requests:
             self.scheduler.add(request)
         return group
+
+    def _max_tokens(self, sampling_params: SamplingParams, num_prompt_tokens: int) -> int:
+        max_len = self.max_model_len
+        if self.window is not None:
+            # Window mode never runs out of context: positions are indices in the window.
+            return sampling_params.max_tokens or max_len
+        if num_prompt_tokens >= max_len:
+            raise PromptTooLongError(num_prompt_tokens, max_len)
+        return min(sampling_params.max_tokens or max_len, max_len - num_prompt_tokens)
 
     def _grammar(self, sampling_params: SamplingParams) -> Grammar | None:
         """The request's compiled constraint (llguidance, loaded on first use), if any."""
@@ -190,6 +203,8 @@ class LLMEngine:
         """Run one step; return outputs of requests that gained tokens or finished."""
         if self.kv_manager is not None:
             self.kv_manager.expire_pins(time.monotonic())
+        if self.blender is not None:
+            self.blender.before_step(self.scheduler.waiting)
         ready, self.groups.ready = self.groups.ready, []
         batch = self.scheduler.schedule()
         if not batch.scheduled:
@@ -357,6 +372,7 @@ class LLMEngine:
             num_accepted_tokens=self.num_accepted_tokens,
             tiers=self.kv_tiers.stats() if self.kv_tiers else (),
             **(asdict(usage) if usage else {}),
+            **(self.blender.stats_fields() if self.blender else {}),
         )
 
     def cache_snapshot(self) -> KVSnapshot | None:
@@ -368,4 +384,3 @@ class LLMEngine:
     def check_integrity(self) -> None:
         if self.kv_manager is not None:
             self.kv_manager.check_integrity()
-

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+import torch
+
+from kvstack.blend.params import BlendParams, BlendSpec, Chunk
+from kvstack.blend.segments import (
+    chat_segments,
+    document_text,
+    tokenize_segments,
+    with_documents,
+)
 from kvstack.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvstack.engine.chat import Message, chat_token_ids
 from kvstack.engine.core import LLMEngine
 from kvstack.engine.info import ModelInfo
+from kvstack.engine.request import Request
 from kvstack.engine.stats import EngineStats
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.snapshot import KVSnapshot
@@ -20,6 +31,16 @@ from kvstack.sampling_params import SamplingParams
 from kvstack.units import parse_size
 
 PromptType = str | dict[str, Any]
+Document = Mapping[str, Any]  # {"title": ..., "text": ...}
+
+
+@dataclass(frozen=True)
+class ScoredPrompt:
+    """`LLM.score`: a prompt's output and the log-probability rows of its last positions."""
+
+    output: RequestOutput
+    logprobs: torch.Tensor  # [num_positions, vocab]; row i predicts the token after
+    #                         prompt position N - num_positions + i
 
 
 class LLM:
@@ -35,6 +56,11 @@ class LLM:
     with activations rounded to int8 per 32-value block (approximate; see README).
     `kernels="torch"` turns off the C decode kernels (the reference path). `max_parallel_samples`
     caps a request's n (best_of); its samples share the prompt's KV blocks (`engine/parallel.py`).
+
+    Blending (APPROXIMATE, opt-in per call with `blend=BlendParams(...)`): a prompt given as
+    `{"segments": ["text", Chunk(doc), ...]}` (or `chat(..., documents=[...])`) reuses each
+    chunk's K/V from the chunk cache (`chunk_cache_memory` bytes in memory, plus the tiers)
+    wherever it appears, and recomputes a share of its tokens in context (`blend/`).
 
     `kv_cache_dtype` stores K/V as "auto" (the model dtype), "float32", "bfloat16", "float16",
     "int8", "fp8" (e4m3) or "int4" (KIVI-style), quantized on write and dequantized on read.
@@ -65,6 +91,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         kv_window: int | None = None,
         kv_sink_tokens: int = 4,
+        chunk_cache_memory: int | str = "512MiB",
         quantization: str | None = None,
         kernels: str = "auto",
     ) -> None:
@@ -84,6 +111,7 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype,
                 kv_window=kv_window,
                 kv_sink_tokens=kv_sink_tokens,
+                chunk_cache_memory=parse_size(chunk_cache_memory),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -113,22 +141,31 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        blend: BlendParams | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion (batched); outputs come back in prompt order.
 
-        A prompt is a string or `{"prompt_token_ids": [...]}` (optionally with "prompt"). A
-        dict may also carry `"draft_token_ids"`: a guess at the output that the engine verifies
-        in one step (greedy requests keep exactly their own tokens; see `drafts/`).
+        A prompt is a string, `{"prompt_token_ids": [...]}` (optionally with "prompt") or
+        `{"segments": [str | Chunk, ...]}` (each segment tokenized alone). A dict may also
+        carry `"draft_token_ids"`: a guess at the output that the engine verifies in one step
+        (greedy requests keep exactly their own tokens; see `drafts/`). With `blend`, the
+        chunks of segmented prompts reuse cached K/V (APPROXIMATE, see the class docstring).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _broadcast(sampling_params, len(prompts))
+        return [out for out, _ in self._run(prompts, params, cache_salt, blend)]
+
+    def _run(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
+             cache_salt: str | None, blend: BlendParams | None, num_scored: int = 0
+             ) -> list[tuple[RequestOutput, torch.Tensor | None]]:
         requests = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
+                ids, spec = self._prompt_input(prompt, blend)
                 requests.append(self.engine.add_request(
-                    _prompt_input(prompt), p, cache_salt=cache_salt,
-                    draft_token_ids=_draft_input(prompt)))
+                    ids, p, cache_salt=cache_salt, draft_token_ids=_draft_input(prompt),
+                    blend=spec, num_scored=num_scored))
             final: dict[str, RequestOutput] = {}
             while self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -138,7 +175,49 @@ class LLM:
             # An error mid-batch (or Ctrl-C) must not leave requests holding blocks.
             for r in requests:
                 self.engine.abort(r.request_id)
-        return [final[r.request_id] for r in requests]
+        # Only a single request scores positions (`score`); a sample group (n > 1) has none.
+        return [(final[r.request_id], r.scored if isinstance(r, Request) else None)
+                for r in requests]
+
+    def _prompt_input(self, prompt: PromptType, blend: BlendParams | None
+                      ) -> tuple[str | list[int], BlendSpec | None]:
+        if isinstance(prompt, dict) and "segments" in prompt:
+            ids, chunks = tokenize_segments(self.engine.tokenizer, prompt["segments"])
+            return ids, BlendSpec(blend, tuple(chunks)) if blend is not None and chunks else None
+        return _prompt_input(prompt), None
+
+    def score(self, prompts: PromptType | Sequence[PromptType], num_positions: int = 1,
+              blend: BlendParams | None = None, cache_salt: str | None = None
+              ) -> list[ScoredPrompt]:
+        """Log-probability distributions at each prompt's last `num_positions` positions
+        (the last one is the first output token's), e.g. to measure what blending costs
+        against full prefill: `score(p, blend=BlendParams(...))` vs `score(p)`."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(num_positions, int) or num_positions < 1:
+            raise InvalidRequestError(f"num_positions must be >= 1, got {num_positions!r}")
+        params = [SamplingParams(max_tokens=1, temperature=0.0)] * len(prompts)
+        runs = self._run(prompts, params, cache_salt, blend, num_positions)
+        return [ScoredPrompt(out, scored) for out, scored in runs if scored is not None]
+
+    def precompute_chunks(self, chunks: Sequence[str | Chunk | Document],
+                          cache_salt: str | None = None) -> int:
+        """Compute and cache the K/V of these chunks (texts, Chunks or chat documents, which
+        are rendered as `chat(documents=...)` renders them) ahead of the requests that use
+        them; waits for the tier writes. Returns how many were computed (the rest were
+        cached already)."""
+        if self.engine.blender is None:
+            raise InvalidRequestError("the chunk cache needs the paged KV cache, not window "
+                                      "mode nor int4 K/V")
+        if isinstance(chunks, (str, Chunk, Mapping)):
+            chunks = [chunks]
+        ids = []
+        for i, chunk in enumerate(chunks):
+            if isinstance(chunk, Mapping):
+                chunk = document_text(chunk, f"chunks[{i}]")
+            ids.append(tokenize_segments(self.engine.tokenizer, [Chunk(chunk) if isinstance(
+                chunk, str) else chunk])[0])
+        return self.engine.blender.precompute(ids, cache_salt)
 
     def stream(
         self,
@@ -164,14 +243,25 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
+        documents: Sequence[Document] | None = None,
+        blend: BlendParams | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them.
+
+        `documents` (`[{"title": ..., "text": ...}]`, for every conversation) go into the
+        system message, each one a chunk (the template is in `blend/segments.py` and the
+        README); with `blend` their K/V are reused from the chunk cache (APPROXIMATE)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)}
-            for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, cache_salt=cache_salt)
+        prompts: list[PromptType] = []
+        for c in conversations:
+            if documents:
+                marked, texts = with_documents(c, documents)
+                prompts.append({"segments": chat_segments(self.engine.tokenizer, marked, texts,
+                                                          add_generation_prompt)})
+            else:
+                prompts.append({"prompt_token_ids": self.apply_chat_template(
+                    c, add_generation_prompt)})
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt, blend=blend)
 
     def apply_chat_template(
         self, messages: Sequence[Message], add_generation_prompt: bool = True

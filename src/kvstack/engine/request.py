@@ -6,10 +6,20 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from kvstack.blend.state import BlendState
 from kvstack.drafts.verify import FIRST_WINDOW
 from kvstack.engine.detokenizer import IncrementalDetokenizer
 from kvstack.layers.sampler import SamplingState
-from kvstack.outputs import COMPUTED, PREFIX_CACHE, TIER, Provenance, RequestMetrics
+from kvstack.outputs import (
+    BLENDED,
+    COMPUTED,
+    PREFIX_CACHE,
+    TIER,
+    Provenance,
+    RequestMetrics,
+)
 from kvstack.sampling_params import SamplingParams
 
 
@@ -60,6 +70,11 @@ class Request:
     # Output tokens by source (outputs.DRAFT, outputs.MODEL) as [source, count] runs.
     output_sources: list[list[str | int]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    blend: BlendState | None = None  # a blended request's chunks and region (`blend/`)
+    # Log-probability rows [num_scored, vocab] of the last num_scored prompt positions, when
+    # asked for (`LLM.score`): row i predicts the token after position N - num_scored + i.
+    num_scored: int = 0
+    scored: torch.Tensor | None = None
     sampling_state: SamplingState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +88,17 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def record_scores(self, first: int, values: torch.Tensor) -> None:
+        """Scored rows from row `first` on (by index: a recomputed prompt rewrites them)."""
+        if self.scored is None:
+            self.scored = torch.full((self.num_scored, values.shape[1]), float("nan"))
+        self.scored[first:first + values.shape[0]] = values
+
+    @property
+    def num_exact_tokens(self) -> int | None:
+        """Tokens whose K/V are exact, so publishable to the prefix cache (None: all)."""
+        return self.blend.exact_limit if self.blend is not None else None
 
     @property
     def scores_prompt(self) -> bool:
@@ -106,8 +132,13 @@ class Request:
     def provenance(self) -> Provenance:
         """Where the prompt's K/V and the output tokens came from (see `outputs.Provenance`)."""
         cached = max(self.num_cached_tokens, 0)
-        runs = ((PREFIX_CACHE, cached - self.num_restored_tokens),
-                (TIER, self.num_restored_tokens), (COMPUTED, self.num_prompt_tokens - cached))
+        runs = [(PREFIX_CACHE, cached - self.num_restored_tokens),
+                (TIER, self.num_restored_tokens)]
+        at = cached
+        for start, end in self.blend.reused_runs if self.blend is not None else ():
+            runs += [(COMPUTED, start - at), (BLENDED, end - start)]
+            at = end
+        runs.append((COMPUTED, self.num_prompt_tokens - at))
         return Provenance(tuple((s, n) for s, n in runs if n > 0),
                           tuple((str(s), int(n)) for s, n in self.output_sources))
 

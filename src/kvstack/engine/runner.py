@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstack.blend.blender import Blender
 from kvstack.drafts.verify import verify_greedy
 from kvstack.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvstack.kv.storage.base import KVCacheStorage
@@ -45,8 +46,9 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_storage: KVCacheStorage | None, sampler: Sampler,
-                 window: SlidingWindow | None = None) -> None:
+                 window: SlidingWindow | None = None, blender: Blender | None = None) -> None:
         self.model = model
+        self.blender = blender  # plans blended steps (`blend/`)
         self.kv_storage = kv_storage
         self.sampler = sampler
         self.block_size = kv_storage.block_size if kv_storage is not None else 0
@@ -58,8 +60,12 @@ class ModelRunner:
 
     def run(self, batch: SchedulerOutput) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(batch)
+        if self.blender is not None:
+            meta.blend = self.blender.plan_step(batch.scheduled, positions, meta)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_storage)
         result = StepResult([None] * len(batch.scheduled))
+        if any(s.request.num_scored for s in batch.scheduled):
+            self._record_scores(batch, hidden)
         if any(s.request.sampling_params.prompt_logprobs is not None for s in batch.scheduled):
             result.prompt_logprobs = self._prompt_logprobs(batch, hidden, input_ids)
         if sample_rows.numel():
@@ -119,6 +125,20 @@ class ModelRunner:
                 out.append((start + 1, scores[:, 0].tolist()))
             row += s.num_new_tokens
         return out
+
+    def _record_scores(self, batch: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Log-prob rows of the scored prompt positions each request computed this step, into
+        the request (`Request.record_scores`)."""
+        row = 0
+        for s in batch.scheduled:
+            r = s.request
+            first = r.num_prompt_tokens - r.num_scored
+            lo = max(first, r.num_computed_tokens)
+            hi = min(r.num_prompt_tokens, r.num_computed_tokens + s.num_new_tokens)
+            if r.num_scored and lo < hi:
+                rows = hidden[row + lo - r.num_computed_tokens: row + hi - r.num_computed_tokens]
+                r.record_scores(lo - first, torch.log_softmax(self.model.compute_logits(rows), -1))
+            row += s.num_new_tokens
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Slots of token positions [start, end) of a sequence with these blocks."""

@@ -84,8 +84,11 @@ class Scheduler:
         for request in order:
             if request.status is not RequestStatus.RUNNING or budget == 0:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
-                          self.max_chunk)
+            num_new = self._fit(request, request.num_computed_tokens,
+                                min(request.num_tokens - request.num_computed_tokens, budget,
+                                    self.max_chunk), out)
+            if num_new == 0:
+                continue
             drafts = self._drafts(request, request.num_computed_tokens, num_new, budget)
             if drafts and self.kv_manager.allocate(request, num_new + len(drafts)):
                 pass  # room for the drafts too, without preempting anyone for them
@@ -129,6 +132,16 @@ class Scheduler:
         return ScheduledRequest(request, num_new + len(drafts),
                                 self.kv_manager.block_ids(request_id),
                                 self.kv_manager.num_dropped_blocks(request_id), drafts)
+
+    @staticmethod
+    def _fit(request: Request, start: int, num_new: int, out: SchedulerOutput) -> int:
+        """A blended request (`blend/`) computes up to its blended region in chunks, then the
+        whole region in one step, one region a step; 0: it waits."""
+        if request.blend is None:
+            return num_new
+        taken = any(s.request.blend is not None and s.request.blend.is_region_step(
+            s.request.num_computed_tokens) for s in out.scheduled)
+        return request.blend.fit(start, num_new, taken)
 
     def _drafts(self, request: Request, start: int, num_new: int, budget: int) -> list[int]:
         """The request's draft tokens that fit this step: only when the step reaches the end
@@ -180,7 +193,12 @@ class Scheduler:
             if self._num_seqs() + 1 + len(request.pending_forks) > self.config.max_num_seqs:
                 break
             hit = kv.match_prefix(request)
-            num_new = min(request.num_tokens - hit.num_tokens, budget, self.max_chunk)
+            if request.blend is not None:
+                request.blend.admit(hit.num_tokens)
+            num_new = self._fit(request, hit.num_tokens, min(request.num_tokens - hit.num_tokens,
+                                                             budget, self.max_chunk), out)
+            if num_new == 0:
+                break
             drafts = self._drafts(request, hit.num_tokens, num_new, budget)
             if not (drafts and kv.allocate(request, num_new + len(drafts), hit)):
                 drafts = []
@@ -223,7 +241,7 @@ class Scheduler:
             if self.kv_manager is not None:
                 if rejected:
                     self.kv_manager.trim(s.request)
-                self.kv_manager.cache_computed_blocks(s.request)
+                self.kv_manager.cache_computed_blocks(s.request, s.request.num_exact_tokens)
                 self.kv_manager.slide_window(s.request)
 
     def finish(self, request: Request, reason: str) -> None:

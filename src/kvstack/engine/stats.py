@@ -29,6 +29,19 @@ class EngineStats:
     tier_hit_tokens: int = 0  # of prefix_cache_hit_tokens, loaded from disk or Redis tiers
     num_copied_blocks: int = 0  # copy-on-write copies of parallel samples' shared tail blocks
     tiers: tuple[TierStats, ...] = ()  # per tier below the memory pool: hits, faults, bytes
+    # Blending (`blend/`): requests with a blended step, their chunks and tokens, and the
+    # chunk cache (entries and bytes in memory; lookups answered by memory, by a tier, none).
+    blend_requests: int = 0
+    blend_chunks_hit: int = 0
+    blend_chunks_missed: int = 0
+    blend_reused_tokens: int = 0  # placed from chunk entries
+    blend_recomputed_tokens: int = 0  # of those, recomputed in context
+    chunk_cache_entries: int = 0
+    chunk_cache_bytes: int = 0
+    chunk_cache_hits: int = 0
+    chunk_cache_tier_hits: int = 0
+    chunk_cache_misses: int = 0
+    chunk_cache_stores: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

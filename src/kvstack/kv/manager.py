@@ -245,13 +245,14 @@ class KVCacheManager:
         if hit.blocks:
             self.log.hit([b.block_id for b in hit.blocks], time.time())
 
-    def cache_computed_blocks(self, request: KVRequest) -> None:
+    def cache_computed_blocks(self, request: KVRequest, max_tokens: int | None = None) -> None:
         """Publish the request's newly completed full blocks in the prefix cache, and write
-        them through to the tiers."""
+        them through to the tiers; only within its first `max_tokens` tokens (blending)."""
         if not self.enable_prefix_caching:
             return
         table = self._table(request.request_id)
-        num_full = request.num_computed_tokens // self.block_size
+        limit = request.num_computed_tokens if max_tokens is None else max_tokens
+        num_full = min(request.num_computed_tokens, limit) // self.block_size
         if len(table.block_hashes) < num_full:
             # Runs once per newly full block, not every step: no copy of the sequence otherwise.
             table.block_hashes = hash_full_blocks(

@@ -11,6 +11,7 @@ query attends to exactly what later steps will read. Window mode has its own pat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,25 @@ class PrefillSpan:
     end: int
     context_len: int  # tokens in the sequence after this step (cached + new)
     slots: torch.Tensor | None  # [context_len] slots to read back; None: no cached prefix
+    # [end - start] each query's position when they are not the span's last positions in a
+    # row (a blended step keeps only some rows; `blend/`); None: context_len - (end - start) on.
+    positions: torch.Tensor | None = None
+
+
+class RowFilter(Protocol):
+    """A step that computes only some rows past some layer (selective recompute, `blend/`)."""
+
+    meta: AttentionMetadata  # the metadata of the rows still computed
+
+    def select(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_storage: KVCacheStorage | None) -> torch.Tensor | None:
+        """After layer `layer`'s Q/K/V of the current rows: the rows (indices into them) that
+        go on from here, `meta` updated to them; None: all of them."""
+        ...
+
+    def expand(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the rows computed to the end -> one row per original row."""
+        ...
 
 
 @dataclass
@@ -38,6 +58,7 @@ class AttentionMetadata:
     window: list[WindowSpan] | None = None  # window mode: every query goes through these
     decode_lens: torch.Tensor | None = None  # [B_d] real keys per decode row (int64)
     use_kernels: bool = False  # the C decode kernel may run (False: PyTorch ops only)
+    blend: RowFilter | None = None  # a blended step (`blend/`): rows drop out after a layer
     # window -> (decode slots, lens) narrowed to it, filled on first use within the step
     window_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -113,13 +134,18 @@ def _attend(
                     enable_gqa=True)
         else:
             assert kv_storage is not None
-            # A window layer reads only the keys its first query can still see.
-            first = 0 if window is None else max(0, span.context_len - num_q - window + 1)
+            # A window layer reads only the keys its first query can still see. A blended step's
+            # queries carry their own positions (`span.positions`): masked by position.
+            if span.positions is None:
+                first = 0 if window is None else max(0, span.context_len - num_q - window + 1)
+                mask = _prefill_mask(num_q, span.context_len, window)[:, first:]
+            else:
+                first = 0
+                mask = _position_mask(span.positions, span.context_len, window)
             kc, vc = kv_storage.read(layer, span.slots[first:])
             os_ = F.scaled_dot_product_attention(
                 qs, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
-                attn_mask=_prefill_mask(num_q, span.context_len, window)[:, first:],
-                scale=scale, enable_gqa=True,
+                attn_mask=mask, scale=scale, enable_gqa=True,
             )
         out[span.start : span.end] = os_[0].transpose(0, 1)
     return out
@@ -129,11 +155,16 @@ def _prefill_mask(num_q: int, context_len: int, window: int | None) -> torch.Ten
     """[num_q, context_len] True where a query sees a key: query i sits at position
     context_len - num_q + i and sees keys up to there (and, with a window, after
     position - window)."""
-    q_pos = torch.arange(context_len - num_q, context_len)[:, None]
+    return _position_mask(torch.arange(context_len - num_q, context_len), context_len, window)
+
+
+def _position_mask(q_pos: torch.Tensor, context_len: int, window: int | None) -> torch.Tensor:
+    """[len(q_pos), context_len] True where a query at position q_pos[i] sees a key: keys up to
+    its position (and, with a window, after position - window)."""
     k_pos = torch.arange(context_len)[None, :]
-    mask = k_pos <= q_pos
+    mask = k_pos <= q_pos[:, None]
     if window is not None:
-        mask &= k_pos > q_pos - window
+        mask &= k_pos > q_pos[:, None] - window
     return mask
 
 

@@ -132,7 +132,8 @@ class LlamaForCausalLM:
         """
         h = self._embed(input_ids)
         if (self.use_kernels and input_ids.shape[0] <= self.lm_head.max_kernel_rows
-                and meta.window is None and kernel_ops.available(self.dtype)):
+                and meta.window is None and meta.blend is None
+                and kernel_ops.available(self.dtype)):
             h = h.contiguous()
             cos, sin = self.rope.cos[positions], self.rope.sin[positions]  # fp32 [T, D]
             step = self._decode_step(kv_storage) if _decodes_only(meta, h.shape[0]) else None
@@ -153,13 +154,18 @@ class LlamaForCausalLM:
         c = self.config
         num_q = c.num_heads * c.head_dim
         pending: torch.Tensor | None = None  # the last block's output, added to h by the norm
+        blend = meta.blend  # selective recompute (`blend/`): rows may stop after a layer
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(h, layer.input_norm, pending)
             q, k, v = ops.qkv_rope(layer.qkv(x))
+            if blend is not None and (rows := blend.select(i, q, k, v, kv_storage)) is not None:
+                h, q, k, v = h[rows], q[rows], k[rows], v[rows]
+                meta, ops = blend.meta, ops.take(rows)
             attn = paged_attention(i, q, k, v, meta, kv_storage)
             x = ops.add_rms_norm(h, layer.post_norm, layer.o(attn.view(-1, num_q)))
             pending = layer.down(ops.silu_mul(layer.gate_up(x)))
-        return ops.add_rms_norm(h, self.final_norm, pending)
+        h = ops.add_rms_norm(h, self.final_norm, pending)
+        return blend.expand(h) if blend is not None else h
 
     def _decode_step(self, kv_storage: KVCacheStorage | None) -> DecodeStep | None:
         """The one-call decode step over this storage, built on first use; None where the
@@ -203,6 +209,10 @@ class _Ops:
         """[T, 2 I] -> silu(gate) * up, [T, I]."""
         raise NotImplementedError
 
+    def take(self, rows: torch.Tensor) -> _Ops:
+        """These ops for a subset of the rows (a blended step; torch path only)."""
+        raise NotImplementedError
+
 
 class _TorchOps(_Ops):
     """PyTorch ops in the model dtype (norms in fp32): the reference path."""
@@ -228,6 +238,9 @@ class _TorchOps(_Ops):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def take(self, rows: torch.Tensor) -> _Ops:
+        return _TorchOps(self.c, self.rope, self.cos[rows], self.sin[rows])
 
 
 class _KernelOps(_Ops):

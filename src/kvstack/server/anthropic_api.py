@@ -8,21 +8,28 @@ cache, `cache_creation_input_tokens` were computed and pinned now, `input_tokens
 Tools (`tools`, `tool_choice` auto / any / tool / none) and past `tool_use` / `tool_result`
 blocks are rendered as server/tools.py describes; `output_config.format` (a JSON schema) and
 vLLM's `guided_*` fields constrain the output. The API has no `n`: one sample per request.
+
+`document` (text source) and `search_result` blocks are chunks, each tokenized alone
+(`blend/segments.py`); with a `blend` object their K/V are reused from the chunk cache
+(APPROXIMATE, see `blend/`), and usage gains `blend` counts.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvstack.blend.params import BlendParams, BlendSpec
+from kvstack.blend.segments import mark
 from kvstack.engine.chat import chat_token_ids
 from kvstack.errors import InvalidRequestError
 from kvstack.server.anthropic_wire import AnthropicWire, Prompt
 from kvstack.server.auth import AuthTenant
+from kvstack.server.blend_api import check_blend_input, document_block_text, segment_ids
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
 from kvstack.server.protocol import CacheControl, ContentBlock, MessagesRequest
@@ -73,7 +80,7 @@ async def messages(request: Request, tenant: AuthTenant) -> JSONResponse | Strea
                                            params, body.max_tokens, body.semantic_cache,
                                            body.cache_salt)
     wire = AnthropicWire(state, prompt, salt, probe)
-    stream = state.start(prompt.token_ids, params, wire.id, salt, probe)
+    stream = state.start(prompt.token_ids, params, wire.id, salt, probe, prompt.blend)
     return await respond(request, stream, wire, bool(body.stream), probe)
 
 
@@ -87,6 +94,37 @@ class _Cut:
     num_system_parts: int
     num_messages: int
     num_blocks: int = 0
+
+
+@dataclass
+class _Conversation:
+    """The request's parts as text, ready to render any prefix (`_Cut`) with the template."""
+
+    system: list[str] = field(default_factory=list)  # tool offer parts, then system blocks
+    num_offer_parts: int = 0
+    turns: list[tuple[str, list[str]]] = field(default_factory=list)
+    docs: list[str] = field(default_factory=list)  # chunk texts; their blocks hold mark(i)
+    tools: list[dict[str, Any]] | None = None  # for a template that takes tools natively
+    tokenizer: Any = None
+    def render(self, cut: _Cut, final: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of the prefix `cut` (`final`: the whole prompt), and its chunk spans."""
+        messages = []
+        if cut.num_system_parts:
+            # Tool parts join by a newline (one offer), the rest by a blank line.
+            content = self.system[0]
+            for k in range(1, cut.num_system_parts):
+                content += ("\n" if k < self.num_offer_parts else "\n\n") + self.system[k]
+            messages.append({"role": "system", "content": content})
+        for role, texts in self.turns[: cut.num_messages]:
+            messages.append({"role": role, "content": "\n".join(texts)})
+        if cut.num_blocks:
+            role, texts = self.turns[cut.num_messages]
+            messages.append({"role": role, "content": "\n".join(texts[: cut.num_blocks])})
+        prefill = self.turns[-1][0] == "assistant"  # the model continues a final assistant turn
+        if self.docs:
+            return segment_ids(self.tokenizer, messages, self.docs, final, prefill)
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt=final,
+                              continue_final_message=final and prefill, tools=self.tools), []
 
 
 def _tools(body: MessagesRequest) -> tuple[list[ToolSpec], ToolChoice | None]:
@@ -113,55 +151,44 @@ def _build_prompt(state: ServerState, body: MessagesRequest) -> Prompt:
         raise InvalidRequestError("messages is empty; give at least one message")
     tools, choice = _tools(body)
     native = choice is not None and template_takes_tools(state.tokenizer)
-    system: list[str] = []  # tools, then system blocks: the order Anthropic caches them in
-    marks: list[tuple[_Cut, CacheControl]] = []
+    talk = _Conversation(tokenizer=state.tokenizer, tools=[
+        {"type": "function", "function": t.as_json()} for t in tools] if native else None)
+    marks: list[tuple[_Cut, CacheControl]] = []  # in the order Anthropic caches them
     offer = tools_prompt_parts(tools) if choice is not None and not native else []
+    talk.num_offer_parts = len(offer)
     for part, tool in zip(offer, body.tools or [], strict=False):
-        system.append(part)
+        talk.system.append(part)
         if tool.cache_control:
-            marks.append((_Cut(len(system), 0), tool.cache_control))
+            marks.append((_Cut(len(talk.system), 0), tool.cache_control))
     for block in _blocks(body.system, "system"):
-        system.append(_text(block, "system"))
+        talk.system.append(_block_text(block, "system", talk.docs, system=True))
         if block.cache_control:
-            marks.append((_Cut(len(system), 0), block.cache_control))
-    turns: list[tuple[str, list[str]]] = []
+            marks.append((_Cut(len(talk.system), 0), block.cache_control))
     for i, message in enumerate(body.messages):
         texts = []
         for j, block in enumerate(_blocks(message.content, f"messages[{i}]")):
-            texts.append(_block_text(block, f"messages[{i}].content[{j}]"))
+            texts.append(_block_text(block, f"messages[{i}].content[{j}]", talk.docs))
             if block.cache_control:
-                marks.append((_Cut(len(system), i, j + 1), block.cache_control))
-        turns.append((message.role, texts))
+                marks.append((_Cut(len(talk.system), i, j + 1), block.cache_control))
+        talk.turns.append((message.role, texts))
     if body.cache_control:
-        marks.append((_Cut(len(system), len(turns) - 1, len(turns[-1][1])), body.cache_control))
+        marks.append((_Cut(len(talk.system), len(talk.turns) - 1, len(talk.turns[-1][1])),
+                      body.cache_control))
     if len(marks) > MAX_BREAKPOINTS:
         raise ApiError(400, f"a request may set at most {MAX_BREAKPOINTS} cache_control "
                             f"breakpoints; this one sets {len(marks)}")
-    prefill = turns[-1][0] == "assistant"  # the model continues a final assistant turn
-
-    def render(cut: _Cut, final: bool) -> list[int]:
-        messages = []
-        if cut.num_system_parts:
-            # Tool parts join by a newline (one offer), the rest by a blank line.
-            content = system[0]
-            for k in range(1, cut.num_system_parts):
-                content += ("\n" if k < len(offer) else "\n\n") + system[k]
-            messages.append({"role": "system", "content": content})
-        for role, texts in turns[: cut.num_messages]:
-            messages.append({"role": role, "content": "\n".join(texts)})
-        if cut.num_blocks:
-            role, texts = turns[cut.num_messages]
-            messages.append({"role": role, "content": "\n".join(texts[: cut.num_blocks])})
-        return chat_token_ids(state.tokenizer, messages, add_generation_prompt=final,
-                              continue_final_message=final and prefill, tools=offered)
-
-    offered = [{"type": "function", "function": t.as_json()} for t in tools] if native else None
-    token_ids = render(_Cut(len(system), len(turns)), final=True)
+    if talk.docs and tools:
+        raise ApiError(400, "document or search_result blocks with tools are not supported "
+                            "yet; send one or the other", param="tools")
+    check_blend_input(bool(talk.docs), body.blend, "document or search_result blocks")
+    token_ids, chunks = talk.render(_Cut(len(talk.system), len(talk.turns)), final=True)
     # Templates need not render a prefix of a conversation as a prefix of its tokens, so a
     # breakpoint covers what the partial and the full rendering share.
-    breakpoints = [(common_prefix_len(token_ids, render(cut, final=False)), TTL_SECONDS[c.ttl])
-                   for cut, c in marks]
-    return Prompt(token_ids, breakpoints, tools, choice)
+    breakpoints = [(common_prefix_len(token_ids, talk.render(cut, final=False)[0]),
+                    TTL_SECONDS[c.ttl]) for cut, c in marks]
+    blend = None if body.blend is None else BlendSpec(BlendParams.from_dict(body.blend),
+                                                      tuple(chunks))
+    return Prompt(token_ids, breakpoints, tools, choice, blend)
 
 
 def _semantic_key(body: MessagesRequest) -> tuple[str | None, Any]:
@@ -196,8 +223,15 @@ def _text(block: ContentBlock, where: str) -> str:
     return block.text
 
 
-def _block_text(block: ContentBlock, where: str) -> str:
-    """A message block as the model sees it: text, a past call, or a tool's result."""
+def _block_text(block: ContentBlock, where: str, docs: list[str] | None = None,
+                system: bool = False) -> str:
+    """A block as the model sees it: text, a document's placeholder (its text goes to `docs`,
+    a chunk), or, in messages, a past call or a tool's result."""
+    if block.type in ("document", "search_result") and docs is not None:
+        docs.append(document_block_text(block, where))
+        return mark(len(docs) - 1)
+    if system:
+        return _text(block, where)
     if block.type == "tool_use":
         if not block.name:
             raise InvalidRequestError(f"{where}: a tool_use block needs 'name'")

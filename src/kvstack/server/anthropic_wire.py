@@ -9,7 +9,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstack.blend.params import BlendSpec
 from kvstack.outputs import CompletionOutput, RequestOutput
+from kvstack.server.blend_api import blend_usage
 from kvstack.server.responses import sse
 from kvstack.server.semantic_api import Probe
 from kvstack.server.state import ServerState
@@ -22,6 +24,7 @@ class Prompt:
     breakpoints: list[tuple[int, float]]  # (prefix length in tokens, TTL in seconds)
     tools: list[ToolSpec] = field(default_factory=list)
     tool_choice: ToolChoice | None = None  # None: no tools, or tool_choice none
+    blend: BlendSpec | None = None  # document blocks' chunks, reused when `blend` is given
 
 
 async def pin_breakpoints(state: ServerState, prompt: Prompt, cache_salt: str | None) -> int:
@@ -54,6 +57,8 @@ class _Usage:
             "cache_read_input_tokens": self.num_cached_tokens,
             "output_tokens": 0 if out is None else len(out.outputs[0].token_ids),
         }
+        if out is not None and (blended := blend_usage(out)) is not None:
+            usage["blend"] = blended
         if self.probe is not None:
             usage["semantic_cache_hit"] = self.probe.hit
             if out is not None:

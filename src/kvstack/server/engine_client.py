@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from kvstack.blend.params import BlendSpec
 from kvstack.engine.info import ModelInfo
 from kvstack.engine.stats import EngineStats
 from kvstack.outputs import RequestOutput
@@ -34,8 +35,10 @@ class EngineClient(Protocol):
 
     def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams,
                  request_id: str, cache_salt: str | None = None,
-                 draft_token_ids: Sequence[int] | None = None) -> AsyncIterator[RequestOutput]:
-        """Queue a request and stream its cumulative outputs; leaving early aborts it."""
+                 draft_token_ids: Sequence[int] | None = None, blend: BlendSpec | None = None
+                 ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and stream its cumulative outputs; leaving early aborts it.
+        `blend`: reuse its chunks' K/V (APPROXIMATE, `blend/`)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -12,6 +12,7 @@ from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 
+from kvstack.blend.params import BlendSpec
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
 from kvstack.server.engine_client import EngineClient
@@ -63,6 +64,7 @@ class Generation:
         request_id: str,
         cache_salt: str | None,
         draft_token_ids: Sequence[int] | None = None,
+        blend: BlendSpec | None = None,
     ) -> None:
         self.request_id = request_id
         self.finished = False
@@ -70,15 +72,16 @@ class Generation:
         self._metrics = metrics
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._task = asyncio.create_task(self._pump(list(prompt_token_ids), sampling_params,
-                                                    cache_salt, draft_token_ids))
+                                                    cache_salt, draft_token_ids, blend))
         _pumps.add(self._task)
         self._task.add_done_callback(_pumps.discard)
 
     async def _pump(self, prompt: list[int], sampling_params: SamplingParams,
-                    cache_salt: str | None, draft_token_ids: Sequence[int] | None) -> None:
+                    cache_salt: str | None, draft_token_ids: Sequence[int] | None,
+                    blend: BlendSpec | None) -> None:
         try:
             async for out in self._engine.generate(prompt, sampling_params, self.request_id,
-                                                   cache_salt, draft_token_ids):
+                                                   cache_salt, draft_token_ids, blend):
                 self._queue.put_nowait(out)
         except asyncio.CancelledError:
             # Cancelled while the request was still being queued: make sure it goes too.

@@ -43,6 +43,14 @@ _COUNTERS = {
                      lambda s: s.num_draft_tokens),
     "draft_accepted_tokens": ("draft tokens the model agreed with",
                               lambda s: s.num_accepted_tokens),
+    "blend_chunks_hit": ("chunks of blended requests found in the chunk cache",
+                         lambda s: s.blend_chunks_hit),
+    "blend_chunks_missed": ("chunks of blended requests computed in context",
+                            lambda s: s.blend_chunks_missed),
+    "blend_reused_tokens": ("prompt tokens placed from chunk entries (approximate)",
+                            lambda s: s.blend_reused_tokens),
+    "blend_recomputed_tokens": ("placed tokens recomputed in context",
+                                lambda s: s.blend_recomputed_tokens),
 }
 
 

@@ -13,11 +13,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvstack.blend.params import BlendSpec
 from kvstack.engine.chat import chat_token_ids
 from kvstack.engine.tokenizer import check_token_ids
 from kvstack.errors import InvalidRequestError
 from kvstack.sampling_params import SamplingParams
 from kvstack.server.auth import AuthTenant
+from kvstack.server.blend_api import (
+    chat_with_documents,
+    check_blend_input,
+    completion_segments,
+)
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
 from kvstack.server.openai_wire import OpenAIWire, ToolUse
@@ -67,19 +73,26 @@ async def completions(request: Request, tenant: AuthTenant) -> JSONResponse | St
     state = server_state(request)
     body = await parse_body(request, CompletionRequest)
     state.check_model(body.model)
-    prompt_ids = _completion_prompt(state, body.prompt)
+    if (body.prompt is None) == (body.segments is None):
+        raise ApiError(400, "give prompt or segments, exactly one of them", param="prompt")
+    check_blend_input(bool(body.segments), body.blend, "segments with chunks")
+    blend = None
+    if body.segments is not None:
+        prompt_ids, blend = completion_segments(state.tokenizer, body.segments, body.blend)
+    else:
+        prompt_ids = _completion_prompt(state, body.prompt)
     params = _sampling(state, body, len(prompt_ids), body.max_tokens, default_max_tokens=16,
                        logprobs=body.logprobs, best_of=body.best_of)
     echo = state.tokenizer.decode(prompt_ids) if body.echo else ""
     probe = None
-    if state.semantic is not None:
+    if state.semantic is not None and body.segments is None:
         probe = await state.semantic.probe(tenant, "openai.completions",
                                            _completion_text(body.prompt), None, params,
                                            body.max_tokens, body.semantic_cache,
                                            body.cache_salt)
     wire = OpenAIWire(state, "cmpl", "text_completion", len(prompt_ids), body, probe, echo)
     return await _answer(request, state, wire, prompt_ids, params,
-                         tenant.cache_salt(body.cache_salt), body, probe)
+                         tenant.cache_salt(body.cache_salt), body, probe, blend)
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -90,7 +103,16 @@ async def chat_completions(request: Request,
     state.check_model(body.model)
     tool_use = _tool_use(body)
     messages, tools = _chat_prompt(state, body, tool_use)
-    prompt_ids = chat_token_ids(state.tokenizer, messages, tools=tools)
+    check_blend_input(bool(body.documents), body.blend, "documents")
+    blend = None
+    if body.documents:
+        if tools:
+            raise ApiError(400, "documents with tools are not supported yet; send one or the "
+                           "other", param="documents")
+        prompt_ids, blend = chat_with_documents(state.tokenizer, messages, body.documents,
+                                                body.blend)
+    else:
+        prompt_ids = chat_token_ids(state.tokenizer, messages, tools=tools)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
@@ -99,20 +121,21 @@ async def chat_completions(request: Request,
                        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                        tool_use=tool_use)
     probe = None
-    if state.semantic is not None and tool_use is None:
+    if state.semantic is not None and tool_use is None and not body.documents:
         key_text, context = split_conversation(messages)
         probe = await state.semantic.probe(tenant, "openai.chat", key_text, context, params,
                                            max_tokens, body.semantic_cache, body.cache_salt)
     wire = OpenAIWire(state, "chatcmpl", "chat.completion", len(prompt_ids), body, probe,
                       tool_use=tool_use)
     return await _answer(request, state, wire, prompt_ids, params,
-                         tenant.cache_salt(body.cache_salt), body, probe)
+                         tenant.cache_salt(body.cache_salt), body, probe, blend)
 
 
 async def _answer(request: Request, state: ServerState, wire: OpenAIWire,
                   prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-                  body: OpenAISampling, probe: Probe | None) -> JSONResponse | StreamingResponse:
-    stream = state.start(prompt_ids, params, wire.id, cache_salt, probe)
+                  body: OpenAISampling, probe: Probe | None, blend: BlendSpec | None = None
+                  ) -> JSONResponse | StreamingResponse:
+    stream = state.start(prompt_ids, params, wire.id, cache_salt, probe, blend)
     return await respond(request, stream, wire, bool(body.stream), probe)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstack.outputs import CompletionOutput, RequestOutput
+from kvstack.server.blend_api import blend_usage
 from kvstack.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvstack.server.protocol import OpenAISampling
 from kvstack.server.responses import sse
@@ -190,6 +191,8 @@ class OpenAIWire:
             "total_tokens": self.num_prompt_tokens + num_out,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
         }
+        if (blended := blend_usage(out)) is not None:
+            usage["blend"] = blended
         if self.probe is not None:
             usage["semantic_cache_hit"] = self.probe.hit
             usage["semantic_cache"] = self.probe.usage(out)

@@ -120,6 +120,10 @@ class OpenAISampling(ExtraSampling):
 
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage]
+    # [{"title", "text"}], each one a chunk in the system message; `blend`: BlendParams' fields
+    # (reuse the documents' K/V, APPROXIMATE; `blend/`).
+    documents: list[dict[str, Any]] | None = None
+    blend: dict[str, Any] | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -128,8 +132,15 @@ class ChatCompletionRequest(OpenAISampling):
     parallel_tool_calls: bool | None = None
 
 
+class SegmentBody(_Body):
+    text: str
+    chunk: bool = False
+
+
 class CompletionRequest(OpenAISampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    segments: list[SegmentBody] | None = None  # instead of prompt: each tokenized alone
+    blend: dict[str, Any] | None = None
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None
@@ -144,8 +155,8 @@ class CacheControl(_Body):
 
 
 class ContentBlock(_Body):
-    """Any content block; text, tool_use and tool_result are supported (the translation
-    checks which fields each needs)."""
+    """Any content block; text, tool_use, tool_result, document (a text source) and
+    search_result are supported (the translation checks which fields each needs)."""
 
     type: str
     text: str | None = None
@@ -156,6 +167,8 @@ class ContentBlock(_Body):
     tool_use_id: str | None = None  # tool_result
     content: str | list[ContentBlock] | None = None
     is_error: bool | None = None
+    source: dict[str, Any] | str | None = None  # document: {"type": "text", "data": ...}
+    title: str | None = None  # document, search_result
 
 
 class AnthropicMessage(_Body):
@@ -201,3 +214,4 @@ class MessagesRequest(ExtraSampling):
     top_p: float | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
+    blend: dict[str, Any] | None = None  # document / search_result blocks become chunks

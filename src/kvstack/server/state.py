@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
+from kvstack.blend.params import BlendSpec
 from kvstack.errors import InvalidRequestError, PromptTooLongError
 from kvstack.sampling_params import SamplingParams
 from kvstack.semantic.cache import SemanticCacheConfig
@@ -109,15 +110,15 @@ class ServerState:
         return SamplingParams(**{k: v for k, v in given.items() if v is not None})
 
     def start(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-              request_id: str, cache_salt: str | None, probe: Probe | None = None
-              ) -> OutputStream:
+              request_id: str, cache_salt: str | None, probe: Probe | None = None,
+              blend: BlendSpec | None = None) -> OutputStream:
         """The output stream of a request: the semantic cache's replay on a trust-mode hit,
         else a model run (with the hit's answer as a draft in verify mode)."""
         if probe is not None and probe.replays:
             return probe.replay(request_id, prompt_token_ids)
         draft = probe.draft(self.tokenizer) if probe is not None else None
         return Generation(self.engine, self.metrics, prompt_token_ids, sampling_params,
-                          request_id, cache_salt, draft)
+                          request_id, cache_salt, draft, blend)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

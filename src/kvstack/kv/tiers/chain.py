@@ -230,6 +230,17 @@ class TierChain:
                 for tier in self.tiers:
                     tier.stats.fault("queue_full")
 
+    def store_encoded(self, key: BlockHash, data: bytes, num_tiers: int | None = None,
+                      wait: bool = False) -> bool:
+        """Queue bytes encoded elsewhere (a chunk entry, `blend/`) for the first `num_tiers`
+        tiers (all by default); False, counted as `queue_full`, when the queue is full."""
+        tiers = self.tiers[:num_tiers]
+        if self._writer.submit(_Job(key, None, data, tiers, len(data)), wait):
+            return True
+        for tier in tiers:
+            tier.stats.fault("queue_full")
+        return False
+
     def forget(self, hashes: Sequence[BlockHash]) -> None:
         """Let these blocks be offloaded again (e.g. a tier lost them)."""
         for block_hash in hashes:

@@ -10,7 +10,7 @@
   const STATE_COLOURS = { f: "#e5e7eb", u: "#3b82f6", c: "#22c55e", p: "#f59e0b" };
   const SOURCE_NAMES = {
     prefix_cache: "prefix cache", tier: "restored from a tier", computed: "computed",
-    draft: "verified draft", model: "sampled",
+    draft: "verified draft", model: "sampled", blended: "reused chunk, not recomputed (approximate)",
   };
   const KNOWN_SOURCES = new Set(Object.keys(SOURCE_NAMES));
   const TIER_NAMES = { d: ["disk"], r: ["Redis"], b: ["disk", "Redis"], "-": [] };

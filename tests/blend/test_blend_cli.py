@@ -1,0 +1,76 @@
+"""`kvstack bench rag` (tiny model, --quick) and `kvstack eval blend` (the embedded model, one
+item): they run and write what they promise. Timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvstack.cli.main import main
+from kvstack.eval.blend_data import make_items
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_bench_rag_quick(tiny4: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                         ) -> None:
+    code = main(["bench", "rag", "--quick", "--model", str(tiny4), "--threads", "1",
+                 "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("rag: ") and "approximate" in line
+    data = json.loads((tmp_path / "rag.json").read_text())
+    arms = data["results"]["arms"]
+    assert list(arms) == ["full_prefill", "prefix_cache", "blend_default", "blend_first_k",
+                          "blend_0.05", "blend_disk"]
+    assert arms["full_prefill"]["mean_kl"] == pytest.approx(0, abs=1e-6)
+    assert arms["full_prefill"]["median_cached_tokens"] == 0
+    for name in ("blend_default", "blend_first_k", "blend_0.05", "blend_disk"):
+        assert 0 < arms[name]["mean_compute"] < 1 and arms[name]["mean_kl"] >= 0
+    # The disk arm restores the same entries the memory arm placed: the same result.
+    assert arms["blend_disk"]["mean_kl"] == pytest.approx(arms["blend_default"]["mean_kl"])
+    assert (tmp_path / "rag.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_synthetic_items_are_seeded_and_sized() -> None:
+    encode = lambda text: text.split()  # noqa: E731  (a word tokenizer is enough here)
+    items = make_items(3, 6, encode, doc_tokens=(150, 400))
+    assert items == make_items(3, 6, encode, doc_tokens=(150, 400))
+    assert [i.hops for i in items] == [1, 2] * 3
+    for item in items:
+        assert 4 <= len(item.documents) <= 8
+        assert all(150 <= len(encode(d)) <= 420 for d in item.documents)
+        assert item.answer.strip() in " ".join(item.documents)
+        assert item.stem.split(" was born")[0].split("founder of ")[-1] in item.question
+
+
+@pytest.mark.slow
+def test_eval_blend_one_item(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "blend.json"
+    code = main(["eval", "blend", "--items", "1", "--arms", "full_reuse,kv_dev_0.15",
+                 "--threads", "1", "--out", str(out)])
+    assert code == 0
+    assert "APPROXIMATE" in capsys.readouterr().out
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["full_prefill", "full_reuse", "kv_dev_0.15"]
+    assert rows["full_prefill"]["kl"]["mean"] == pytest.approx(0, abs=1e-6)
+    assert rows["full_prefill"]["top1"]["mean"] == 1
+    assert rows["full_reuse"]["compute"]["mean"] < rows["kv_dev_0.15"]["compute"]["mean"] < 1
+
+
+@pytest.mark.slow
+def test_cache_warm_chunks_then_held(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files = []
+    for i, text in enumerate(("The harbor town of Velm ships salt.", "Velm has a lighthouse.")):
+        files.append(tmp_path / f"c{i}.txt")
+        files[-1].write_text(text)
+    argv = ["cache", "warm", "--chunk", *map(str, files), "--kv-disk-dir", str(tmp_path / "kv"),
+            "--kv-cache-memory", "32MiB", "--threads", "1"]
+    assert main(argv) == 0
+    assert "warmed 2 chunk entries (0 held already)" in capsys.readouterr().out
+    assert main(argv) == 0  # a fresh engine finds both in the disk tier
+    assert "warmed 0 chunk entries (2 held already)" in capsys.readouterr().out
+    assert main(["cache", "ls", "--kv-disk-dir", str(tmp_path / "kv")]) == 0
+    assert capsys.readouterr().out.count("chunk entry") == 2
