@@ -24,6 +24,7 @@ from kvstack.bench.peers import case as peers_case
 from kvstack.bench.pressure import constrained_blocks
 from kvstack.cli import bench as bench_cli
 from kvstack.cli.main import main
+from kvstack.errors import UnsupportedModelError
 
 CASES = ("cache", "throughput", "prefix", "pressure", "ttft", "peers")
 
@@ -214,6 +215,26 @@ def test_peers_formats_follow_the_options(monkeypatch: pytest.MonkeyPatch,
     assert "not a GGUF file" in formats["gguf"]
     gguf = peers_case.engine_formats(BenchOptions(model="smollm2-135m", threads=1, out=tmp_path))
     assert gguf["gguf"] == {"quantization": "gguf"}
+
+
+def test_a_format_the_model_refuses_is_skipped_with_its_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Gemma 3 GGUF refuses quantization="gguf": that row is skipped, the rest still run."""
+    def refuse(subject: Any, work: Any, kwargs: dict[str, str]) -> Any:
+        if kwargs.get("quantization") == "gguf":
+            raise UnsupportedModelError("a Gemma 3 file runs dequantized")
+        return FakeRunner()
+
+    class FakeRunner:
+        info = {"loaded": True}
+
+    monkeypatch.setattr(peers_case, "OursRunner", refuse)
+    monkeypatch.setattr(peers_case, "TransformersRunner", lambda subject: FakeRunner())
+    options = BenchOptions(model="m.gguf", threads=1, out=Path("unused"))
+    runners, engines = peers_case._load_engines(
+        None, options, None, {"float32": {"dtype": "float32"}, "gguf": {"quantization": "gguf"}})
+    assert engines["kvstack_gguf"] == {"skipped": "a Gemma 3 file runs dequantized"}
+    assert engines["kvstack_float32"] == {"loaded": True} and "kvstack_gguf" not in runners
 
 
 def test_dtype_option_reaches_our_engine(

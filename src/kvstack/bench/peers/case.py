@@ -42,6 +42,7 @@ from kvstack.bench.peers.workloads import (
     sizes,
 )
 from kvstack.bench.prefix import document
+from kvstack.errors import UnsupportedModelError
 from kvstack.units import common_prefix_len
 from kvstack.weights import is_gguf_model
 
@@ -117,7 +118,11 @@ def _load_engines(subject: Subject, options: BenchOptions, work: Workloads,
         if skipped is not None or make is None:
             engines[key] = {"skipped": skipped}
             return
-        runners[key] = make()
+        try:
+            runners[key] = make()
+        except UnsupportedModelError as err:  # e.g. a Gemma 3 file refuses native GGUF
+            engines[key] = {"skipped": str(err)}
+            return
         engines[key] = runners[key].info
 
     for name, kwargs in formats.items():
