@@ -114,3 +114,8 @@ def test_anthropic_document_and_search_result_blocks(server: LiveServer) -> None
     bad = httpx.post(f"{server.url}/v1/messages", json=body | {"messages": [
         {"role": "user", "content": "hi"}], "blend": {}}, timeout=60)
     assert_error_shape("/v1/messages", bad, 400, "document")
+    # A cache_control breakpoint on the first document cuts the prompt before the second.
+    content[0] = content[0] | {"cache_control": {"type": "ephemeral"}}
+    pinned = httpx.post(f"{server.url}/v1/messages", json=body | {"blend": {}}, timeout=120)
+    assert pinned.status_code == 200, pinned.text
+    assert pinned.json()["usage"]["blend"]["chunks_hit"] == 2

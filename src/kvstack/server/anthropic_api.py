@@ -106,6 +106,7 @@ class _Conversation:
     docs: list[str] = field(default_factory=list)  # chunk texts; their blocks hold mark(i)
     tools: list[dict[str, Any]] | None = None  # for a template that takes tools natively
     tokenizer: Any = None
+
     def render(self, cut: _Cut, final: bool) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of the prefix `cut` (`final`: the whole prompt), and its chunk spans."""
         messages = []
@@ -121,8 +122,10 @@ class _Conversation:
             role, texts = self.turns[cut.num_messages]
             messages.append({"role": role, "content": "\n".join(texts[: cut.num_blocks])})
         prefill = self.turns[-1][0] == "assistant"  # the model continues a final assistant turn
-        if self.docs:
-            return segment_ids(self.tokenizer, messages, self.docs, final, prefill)
+        if self.docs:  # only the documents this prefix reaches (a breakpoint may cut before)
+            docs = [d for i, d in enumerate(self.docs)
+                    if any(mark(i) in m["content"] for m in messages)]
+            return segment_ids(self.tokenizer, messages, docs, final, prefill)
         return chat_token_ids(self.tokenizer, messages, add_generation_prompt=final,
                               continue_final_message=final and prefill, tools=self.tools), []
 
