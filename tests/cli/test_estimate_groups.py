@@ -1,6 +1,7 @@
-"""`kvstack estimate` on a model with sliding-window layers: bytes per attention group, what
-the engine allocates, and what a hybrid allocator would hold. The 270M's config is built
-here (loading the file takes a minute); `tests/models/test_gemma3_270m.py` checks it."""
+"""`kvstack estimate` on a model with sliding-window layers: the hybrid layout's pages per
+KV group, as the engine allocates them, and the saving over keeping every layer. The 270M's
+config is built here (loading the file takes a minute); `tests/models/test_gemma3_270m.py`
+checks it."""
 
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ def test_estimate_shows_bytes_per_group_and_the_hybrid_saving(
         config=GEMMA3_270M))
     assert main(["estimate", "--model", "gemma3-270m", "--seq-len", "8192"]) == 0
     out = capsys.readouterr().out
-    # 1 KV head x 256 x K,V x 4 B = 2 KiB per layer and token; 18 layers.
+    # 1 KV head x 256 x K,V x 4 B = 2 KiB per layer and token; 18 layers. Pages of 3 layers:
+    # 1 full group keeps 512 blocks, 5 window groups 33 each (32 of window + the query's own).
     assert re.search(r"per token\s+36 KiB", out)
-    assert re.search(r"8192 tokens x 1 seqs\s+288 MiB", out)
-    assert re.search(r"group full\s+3 layers, 48 MiB .*\(512 blocks/layer/seq\)", out)
-    assert re.search(r"group sliding 512\s+15 layers, 240 MiB .*reachable: 33 blocks/layer/seq",
+    assert re.search(r"per block\s+96 KiB .*16 tokens of a page's 3 layers", out)
+    assert re.search(r"8192 tokens x 1 seqs\s+63.47 MiB", out)
+    assert re.search(r"group full\s+3 layers in 1 group.*: 512 blocks/group/seq.*, 48 MiB", out)
+    assert re.search(r"group sliding 512\s+15 layers in 5 group.*: 33 blocks/group/seq.*15.47 MiB",
                      out)
-    assert re.search(r"hybrid saving\s+63.47 MiB .*4.5x less than all-global; NOT implemented",
-                     out)
+    assert re.search(r"hybrid saving\s+677 pages/seq held vs 3072 .*63.47 MiB vs 288 MiB, "
+                     r"4.5x less", out)

@@ -31,6 +31,8 @@ def tiny_gemma3_config(variant: str = "mqa") -> Gemma3TextConfig:
     """Gemma 3 in small: MQA like the 270M (or GQA), a window of 8, local and global RoPE bases
     far apart (the global one linearly scaled, as on 4B and up), and query_pre_attn_scalar unlike
     head_dim, so a mix-up of any pair changes the logits."""
+    if variant == "long":
+        return _long_config()
     if variant not in VARIANTS:
         raise ValueError(f"unknown tiny Gemma 3 variant {variant!r}; use one of {VARIANTS}")
     return Gemma3TextConfig(
@@ -55,6 +57,19 @@ def tiny_gemma3_config(variant: str = "mqa") -> Gemma3TextConfig:
         pad_token_id=0,
         tie_word_embeddings=True,
     )
+
+
+def _long_config() -> Gemma3TextConfig:
+    """The 270M's layer plan in small ("long"): 18 layers, every sixth global, a window of 512,
+    MQA, a context past 8,192 tokens; for the hybrid KV layout's memory at full length."""
+    config = tiny_gemma3_config("mqa")
+    config.hidden_size, config.intermediate_size = 64, 128
+    config.num_attention_heads, config.head_dim = 2, 32
+    config.num_hidden_layers, config.sliding_window = 18, 512
+    config.layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                          for i in range(18)]
+    config.max_position_embeddings = 16384
+    return config
 
 
 def make_tiny_gemma3_folder(tmp_path: Path, variant: str = "mqa") -> Path:

@@ -164,10 +164,11 @@ def test_greedy_survives_preemption(tiny_dir: Path) -> None:
     folder = tiny_folder(tiny_dir, "gqa")
     prompts = sequences([33, 30, 35], seed=9)
     want = [hf_greedy(hf_model(folder), p, NUM_NEW) for p in prompts]
-    # 6 layers x 2 KV heads x 64 x 4 B x K,V x 4 tokens = 24 KiB a block: 26 blocks, where the
-    # three requests need 15 each at the end.
-    llm = tiny_llm(folder, kv_cache_memory="624KiB")
-    assert llm.engine.kv_manager is not None and llm.engine.kv_manager.num_blocks == 26
+    # Hybrid layout: pages of 2 layers x 2 KV heads x 64 x 4 B x K,V x 4 tokens = 8 KiB: 48
+    # pages, where the three requests hold 15 (full group) + 2 x 3 (window groups) each at
+    # the end, 63 together. 16-token chunks let all three in before they grow.
+    llm = tiny_llm(folder, kv_cache_memory="384KiB", max_num_batched_tokens=16)
+    assert llm.engine.kv_manager is not None and llm.engine.kv_manager.num_blocks == 48
     assert greedy(llm, prompts) == want
     assert llm.engine.scheduler.num_preemptions > 0
 

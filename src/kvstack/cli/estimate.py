@@ -15,7 +15,7 @@ from kvstack.argtypes import DEFAULT_MODEL, byte_size, non_negative_int, positiv
 from kvstack.config import CacheConfig
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.dtypes import KV_CACHE_DTYPES, resolve
-from kvstack.kv.groups import AttentionGroup, attention_groups
+from kvstack.kv.groups import KVLayout, attention_groups
 from kvstack.kv.sizing import KVShape
 from kvstack.units import format_bytes
 
@@ -84,14 +84,15 @@ def run(args: argparse.Namespace) -> int:
                "window": args.kv_window, "sink_tokens": args.kv_sink_tokens}
     rows: list[tuple[str, str]] = []
     num_heads = args.heads
-    groups: list[AttentionGroup] = []
+    layout: KVLayout | None = None
     if args.model is not None:
         config = _load_checkpoint(args.model).config
-        shape = KVShape.of(config, kv_dtype, **options)
+        if args.kv_window is None:  # the engine's layout (window mode keeps the single one)
+            layout = KVLayout.of(config.layer_windows(), kv_dtype)
+        shape = KVShape.of(config, kv_dtype, layout, **options)
         seq_len = args.seq_len or config.max_model_len
         num_heads = config.num_heads
         rows.append(("model", f"{args.model} ({config.architecture})"))
-        groups = attention_groups(config.layer_windows())
     elif len(given) == len(_SHAPE_FLAGS):
         shape = KVShape(args.layers, args.kv_heads, args.head_dim, kv_dtype, **options)
         if args.seq_len is None:
@@ -108,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
         rows.append(("attention", _attention_kind(num_heads, shape.num_kv_heads)))
     rows += [
         ("per token", _bytes(shape.bytes_per_token)),
-        ("per block", f"{_bytes(shape.bytes_per_block)}, {shape.block_size} tokens"),
+        ("per block", f"{_bytes(shape.bytes_per_block)}, {shape.block_size} tokens"
+                      + (f" of a page's {shape.layers_per_block} layers" if shape.page_layers
+                         else "")),
     ]
     if shape.window_blocks is not None:
         rows.append(("window (approximate)",
@@ -117,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
                      f"({shape.window_blocks * shape.block_size} tokens) in every layer"))
     rows.append((f"{seq_len} tokens x {args.batch} seqs",
                  _bytes(shape.bytes_for(seq_len, args.batch))))
-    if len(groups) > 1 and shape.window_blocks is None:
-        rows += _group_rows(shape, groups, seq_len, args.batch)
+    if layout is not None and layout.is_hybrid:
+        rows += _group_rows(shape, layout, seq_len, args.batch)
     if args.kv_cache_memory is not None:
         rows += _budget_rows(shape, args.kv_cache_memory, seq_len, args.max_num_seqs)
     width = max(len(label) for label, _ in rows)
@@ -142,28 +145,29 @@ def _budget_rows(shape: KVShape, budget: int, seq_len: int,
     ]
 
 
-def _group_rows(shape: KVShape, groups: list[AttentionGroup], seq_len: int,
+def _group_rows(shape: KVShape, layout: KVLayout, seq_len: int,
                 batch: int) -> list[tuple[str, str]]:
-    """Bytes per attention group: what the engine allocates (every layer, every token) and
-    what a hybrid allocator keeping only a window group's reachable blocks would hold."""
-    per_layer_block = shape.bytes_per_block // shape.num_layers
+    """Pages per KV group type of a hybrid layout, as the engine holds them while a sequence
+    decodes, and the saving over keeping every layer for every token."""
+    page = shape.bytes_per_block
     bs = shape.block_size
     rows: list[tuple[str, str]] = []
-    allocated = hybrid = 0
-    for group in groups:
-        full_blocks = -(-seq_len // bs)
-        reach = group.blocks_reachable(seq_len, bs)
-        now = per_layer_block * len(group.layers) * full_blocks * batch
-        kept = per_layer_block * len(group.layers) * reach * batch
-        allocated, hybrid = allocated + now, hybrid + kept
-        detail = (f"{len(group.layers)} layers, {_bytes(now)} allocated "
-                  f"({full_blocks} blocks/layer/seq)")
-        if group.window is not None:
-            detail += f"; reachable: {reach} blocks/layer/seq, {format_bytes(kept)}"
-        rows.append((f"group {group.name}", detail))
-    rows.append(("hybrid saving", f"{format_bytes(hybrid)} would be held by a hybrid allocator "
-                 f"({allocated / hybrid:.1f}x less than all-global; NOT implemented yet: the "
-                 "engine allocates every layer for every token, exact either way)"))
+    for kind in attention_groups(layout.layer_windows()):
+        groups = [g for g in layout.groups if g.window == kind.window]
+        blocks = shape.group_blocks(kind.window, seq_len)
+        held = page * blocks * len(groups) * batch
+        reach = "" if kind.window is None else " (what its window still reaches)"
+        rows.append((f"group {kind.name}",
+                     f"{len(kind.layers)} layers in {len(groups)} group(s) of <= "
+                     f"{layout.page_layers}: {blocks} blocks/group/seq{reach}, "
+                     f"{format_bytes(held)}"))
+    pages = shape.blocks_for(seq_len)
+    all_global = len(layout.groups) * -(-seq_len // bs)
+    rows.append(("hybrid saving",
+                 f"{pages} pages/seq held vs {all_global} if every layer kept every token: "
+                 f"{format_bytes(pages * page * batch)} vs "
+                 f"{format_bytes(all_global * page * batch)}, {all_global / pages:.1f}x less "
+                 "(exact: a sliding layer never reads what its window left)"))
     return rows
 
 

@@ -14,6 +14,8 @@ from kvstack.config import EngineConfig, ModelConfig
 from kvstack.engine.tokenizer import load_tokenizer
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.dtypes import resolve
+from kvstack.kv.groups import KVLayout
+from kvstack.kv.hybrid import HybridKVCacheManager
 from kvstack.kv.manager import KVCacheManager
 from kvstack.kv.sizing import KVShape
 from kvstack.kv.storage import KVCacheStorage, make_kv_storage, torch_dtype
@@ -32,6 +34,7 @@ class EngineParts:
     fingerprint: str  # names weights, tokenizer, dtype, weight format, KV dtype and attention
     kv_cache_dtype: str  # resolved: never "auto"
     window: SlidingWindow | None
+    kv_layout: KVLayout  # which layers share a block table (a hybrid model: several groups)
     kv_shape: KVShape | None = None
     kv_storage: KVCacheStorage | None = None
     kv_manager: KVCacheManager | None = None
@@ -65,18 +68,21 @@ def build_engine(config: EngineConfig) -> EngineParts:
             f"kv_window {window.window} is longer than the model's context "
             f"({ckpt.config.max_model_len} tokens); give a smaller kv_window"
         )
+    layout = KVLayout.of(ckpt.config.layer_windows(), kv_cache_dtype)
     parts = EngineParts(ckpt.config, model, tokenizer,
-                        fingerprint(ckpt, config, kv_cache_dtype, window), kv_cache_dtype, window)
+                        fingerprint(ckpt, config, kv_cache_dtype, window, layout), kv_cache_dtype,
+                        window, layout)
     if cache.use_kv_cache:
         _build_kv(parts, config)
     return parts
 
 
 def fingerprint(ckpt: Checkpoint, config: EngineConfig, kv_cache_dtype: str,
-                window: SlidingWindow | None) -> str:
+                window: SlidingWindow | None, layout: KVLayout | None = None) -> str:
     """Blocks are only shared between engines with the same weights, tokenizer, dtype and
-    weight format (int8 weights give other K/V), KV dtype and attention (window mode). The
-    default KV dtype (the model's) keeps the fingerprint it always had."""
+    weight format (int8 weights give other K/V), KV dtype, attention (window mode) and KV
+    layout (a hybrid page holds some layers only). The default KV dtype (the model's) keeps
+    the fingerprint it always had."""
     text = f"{ckpt.fingerprint}|{config.dtype}"
     if config.quantization:
         text += f"|{config.quantization}"
@@ -84,13 +90,16 @@ def fingerprint(ckpt: Checkpoint, config: EngineConfig, kv_cache_dtype: str,
         text += f"|kv={kv_cache_dtype}"
     if window is not None:
         text += f"|window={window.window},{window.sink_tokens}"
+    if layout is not None and layout.is_hybrid:
+        text += f"|layout={layout.describe()}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _build_kv(parts: EngineParts, config: EngineConfig) -> None:
     """The K/V storage sized to the budget, the tiers below it and the manager over both."""
     cache = config.cache
-    shape = KVShape.of(parts.model_config, parts.kv_cache_dtype, block_size=cache.block_size,
+    shape = KVShape.of(parts.model_config, parts.kv_cache_dtype, parts.kv_layout,
+                       block_size=cache.block_size,
                        model_dtype=config.dtype, window=cache.kv_window,
                        sink_tokens=cache.kv_sink_tokens)
     max_num_seqs = config.scheduler.max_num_seqs
@@ -102,17 +111,20 @@ def _build_kv(parts: EngineParts, config: EngineConfig) -> None:
             "of int4 window); raise kv_cache_memory"
         )
     storage = make_kv_storage(parts.model_config, num_blocks, cache.block_size,
-                              parts.kv_cache_dtype, torch_dtype(config.dtype), max_num_seqs)
-    block_format = BlockFormat(parts.fingerprint, parts.kv_cache_dtype, shape.num_layers,
+                              parts.kv_cache_dtype, torch_dtype(config.dtype), max_num_seqs,
+                              shape.layers_per_block)
+    block_format = BlockFormat(parts.fingerprint, parts.kv_cache_dtype, shape.layers_per_block,
                                shape.num_kv_heads, shape.head_dim, cache.block_size)
     parts.kv_shape = shape
     parts.kv_storage = storage
     parts.kv_tiers = build_tiers(cache, block_format, storage)
-    parts.kv_manager = KVCacheManager(
-        num_blocks, cache.block_size, cache.enable_prefix_caching and parts.window is None,
-        parts.fingerprint, int(num_blocks * cache.max_pinned_fraction), parts.kv_tiers,
-        parts.window, storage.release, storage.copy_block,
-    )
+    args = (num_blocks, cache.block_size, cache.enable_prefix_caching and parts.window is None,
+            parts.fingerprint, int(num_blocks * cache.max_pinned_fraction), parts.kv_tiers,
+            parts.window, storage.release, storage.copy_block)
+    parts.kv_manager = (
+        HybridKVCacheManager(parts.kv_layout, *args,
+                             max_chunk_tokens=config.scheduler.max_num_batched_tokens)
+        if parts.kv_layout.is_hybrid else KVCacheManager(*args))
     # int4 storage quantizes a block when its last slot is written in order; placing chunks
     # writes slots out of order. The blended step's row filter lives in the Llama layer loop:
     # models with sliding-window layers (Gemma 3) do not blend.

@@ -60,7 +60,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.blender = parts.blender  # chunk cache and blended steps (`blend/`)
-        self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), self.window, self.blender)
+        self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), self.window, self.blender,
+                                  parts.kv_layout)
         self.requests: dict[str, Request] = {}
         self.groups = SampleGroups(completion_output)  # parallel samples, by the caller's id
         self._structured: StructuredBackend | None = None  # built on the first constraint

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from kvstack.blend.blender import Blender
 from kvstack.drafts.verify import verify_greedy
 from kvstack.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvstack.kv.groups import KVLayout
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.kv.window import SlidingWindow
 from kvstack.layers.attention import AttentionMetadata, PrefillSpan
@@ -46,8 +48,10 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_storage: KVCacheStorage | None, sampler: Sampler,
-                 window: SlidingWindow | None = None, blender: Blender | None = None) -> None:
+                 window: SlidingWindow | None = None, blender: Blender | None = None,
+                 layout: KVLayout | None = None) -> None:
         self.model = model
+        self.layout = layout  # a hybrid layout: one block table per KV group
         self.blender = blender  # plans blended steps (`blend/`)
         self.kv_storage = kv_storage
         self.sampler = sampler
@@ -154,20 +158,45 @@ class ModelRunner:
             return self._prepare_window(batch)
         ids: list[int] = []
         pos: list[int] = []
-        slot_parts: list[torch.Tensor] = []
-        decode_rows: list[int] = []
-        decode_ctx: list[torch.Tensor] = []
-        prefills: list[PrefillSpan] = []
         sample_rows: list[int] = []
         for s in batch.scheduled:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            known_end = end - s.num_draft_tokens
             row = len(ids)
-            ids.extend(r.tokens_between(start, known_end) + s.draft_token_ids)
+            ids.extend(r.tokens_between(start, end - s.num_draft_tokens) + s.draft_token_ids)
             pos.extend(range(start, end))
+            if s.samples:  # last known token's row, one per draft (a fork: its leader's)
+                last = row + end - start - 1
+                sample_rows.extend(range(last - s.num_draft_tokens, last + 1))
+        meta = self._metadata(batch, lambda s: s.block_ids)
+        if self.layout is not None and self.layout.is_hybrid:
+            # One block table per KV group: each group's layers read theirs.
+            metas = [meta] + [self._metadata(batch, lambda s, g=g: s.group_block_ids[g - 1])
+                              for g in range(1, self.layout.num_groups)]
+            places = self.layout.tensor_of_layer()
+            meta.layers = [(places[layer], metas[group])
+                           for layer, group in enumerate(self.layout.group_of_layer())]
+        return (
+            torch.tensor(ids, dtype=torch.int64),
+            torch.tensor(pos, dtype=torch.int64),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.int64),
+        )
+
+    def _metadata(self, batch: SchedulerOutput,
+                  block_ids: Callable[[ScheduledRequest], list[int]]) -> AttentionMetadata:
+        """Where the step's K/V go and what each row reads, through these block tables."""
+        slot_parts: list[torch.Tensor] = []
+        decode_rows: list[int] = []
+        decode_ctx: list[torch.Tensor] = []
+        prefills: list[PrefillSpan] = []
+        row = 0
+        for s in batch.scheduled:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            known_end = end - s.num_draft_tokens
             if self.kv_storage is not None:
-                seq_slots = self._slots(s.block_ids, 0, end)
+                seq_slots = self._slots(block_ids(s), 0, end)
                 slot_parts.append(seq_slots[start:end])
                 # Decode rows: a lone known token past position 0, and every draft token, each
                 # reading its own context exactly as a decode step would (so verifying a draft
@@ -182,9 +211,7 @@ class ModelRunner:
                     decode_ctx.append(seq_slots[:position + 1])
             else:
                 prefills.append(PrefillSpan(row, row + end - start, end, None))
-            if s.samples:  # last known token's row, one per draft (a fork: its leader's)
-                last = row + end - start - 1
-                sample_rows.extend(range(last - s.num_draft_tokens, last + 1))
+            row += end - start
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts) if slot_parts else None,
             decode_rows=None, decode_slots=None, decode_mask=None, prefills=prefills,
@@ -201,12 +228,7 @@ class ModelRunner:
             meta.decode_slots = slots
             meta.decode_mask = mask
             meta.decode_lens = torch.tensor([len(c) for c in decode_ctx], dtype=torch.int64)
-        return (
-            torch.tensor(ids, dtype=torch.int64),
-            torch.tensor(pos, dtype=torch.int64),
-            meta,
-            torch.tensor(sample_rows, dtype=torch.int64),
-        )
+        return meta
 
     def _prepare_window(
         self, batch: SchedulerOutput

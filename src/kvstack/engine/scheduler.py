@@ -30,6 +30,8 @@ class ScheduledRequest:
     num_dropped_blocks: int = 0  # window mode: logical blocks freed between sinks and the rest
     # Draft tokens fed after the known tokens (the last num_draft_tokens of num_new_tokens).
     draft_token_ids: list[int] = field(default_factory=list)
+    # A hybrid KV layout: the block tables of groups 1.. (`kv/hybrid.py`) as this step runs.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -131,7 +133,8 @@ class Scheduler:
         request_id = request.request_id
         return ScheduledRequest(request, num_new + len(drafts),
                                 self.kv_manager.block_ids(request_id),
-                                self.kv_manager.num_dropped_blocks(request_id), drafts)
+                                self.kv_manager.num_dropped_blocks(request_id), drafts,
+                                self.kv_manager.group_block_ids(request_id))
 
     @staticmethod
     def _fit(request: Request, start: int, num_new: int, out: SchedulerOutput) -> int:

@@ -101,10 +101,7 @@ class KVCacheManager:
     # -- a request's table ------------------------------------------------------------------
 
     def _table(self, request_id: str) -> _BlockTable:
-        table = self._tables.get(request_id)
-        if table is None:
-            table = self._tables[request_id] = _BlockTable()
-        return table
+        return self._tables.setdefault(request_id, _BlockTable())
 
     def blocks(self, request_id: str) -> list[KVBlock]:
         """The request's blocks in position order (a copy; empty when it holds none)."""
@@ -114,6 +111,10 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         table = self._tables.get(request_id)
         return [b.block_id for b in table.blocks] if table else []
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The tables of a hybrid layout's other KV groups (`kv/hybrid.py`); none here."""
+        return []
 
     def block_hashes(self, request_id: str) -> list[BlockHash]:
         """Hashes of the request's full blocks computed so far (from token 0)."""
@@ -170,7 +171,9 @@ class KVCacheManager:
             blocks = self.pool.allocate(min(num, self.pool.num_free))
             num_loaded = self.tiers.restore(hashes[: len(blocks)], [b.block_id for b in blocks])
             for i, block in enumerate(blocks[:num_loaded], start=first):
-                self._publish(block, i, all_hashes, tokens, cache_salt, RESTORED)
+                self._publish(block, all_hashes[i], all_hashes[i - 1] if i else None,
+                              tokens[i * self.block_size:(i + 1) * self.block_size],
+                              cache_salt, RESTORED)
             self.pool.free(reversed(blocks))
         finally:
             self.pool.free(reversed(hit))
@@ -192,8 +195,10 @@ class KVCacheManager:
         shared = self._shared_write_index(table, num_computed, num_new_tokens)
         # Reviving a free cached block takes it out of the free queue too.
         num_revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        shortfall = num_new_blocks + (shared is not None) - (self.pool.num_free - num_revived)
-        if shortfall > 0 and not self.pins.release(shortfall, keep=hit_blocks):
+        extra, keep = self._group_demand(request.request_id, num_computed, num_new_tokens, hit)
+        shortfall = (num_new_blocks + (shared is not None) + extra
+                     - (self.pool.num_free - num_revived))
+        if shortfall > 0 and not self.pins.release(shortfall, keep=hit_blocks + keep):
             return False
         if shared is not None:
             self._copy_block(table, shared)
@@ -204,7 +209,18 @@ class KVCacheManager:
                 table.block_hashes = list(hit.block_hashes)
         if num_new_blocks > 0:
             table.blocks.extend(self.pool.allocate(num_new_blocks))
+        self._group_grow(request.request_id, num_computed, num_new_tokens, hit)
         return True
+
+    # A hybrid layout's other KV groups (`kv/hybrid.py`): the blocks their growth takes and
+    # the hit blocks to keep meanwhile, then the growth itself. None here.
+    def _group_demand(self, request_id: str, num_computed: int, num_new_tokens: int,
+                      hit: PrefixHit | None) -> tuple[int, list[KVBlock]]:
+        return 0, []
+
+    def _group_grow(self, request_id: str, num_computed: int, num_new_tokens: int,
+                    hit: PrefixHit | None) -> None:
+        pass
 
     def _shared_write_index(self, table: _BlockTable, num_computed: int,
                             num_new_tokens: int) -> int | None:
@@ -263,25 +279,22 @@ class KVCacheManager:
         bs = self.block_size
         for i, block in enumerate(table.blocks[:num_full]):
             if block.block_hash is None and self._publish(
-                    block, i, table.block_hashes, request.tokens_between(i * bs, (i + 1) * bs),
-                    request.cache_salt, COMPUTED, offset=i * bs):
+                    block, table.block_hashes[i], table.block_hashes[i - 1] if i else None,
+                    request.tokens_between(i * bs, (i + 1) * bs), request.cache_salt, COMPUTED):
                 published.append((block.block_id, table.block_hashes[i]))
         if published and self.tiers is not None:
             self.tiers.offload(published)
 
-    def _publish(self, block: KVBlock, index: int, hashes: list[BlockHash], tokens: list[int],
-                 cache_salt: str | None, origin: str, offset: int = 0) -> bool:
-        """Publish the `index`-th block of a sequence under its hash and log what it holds
-        (`tokens` start at token `offset` of the sequence); False if another block already
-        holds that hash (first writer wins)."""
-        block_hash = hashes[index]
+    def _publish(self, block: KVBlock, block_hash: BlockHash, parent: BlockHash | None,
+                 tokens: list[int], cache_salt: str | None, origin: str) -> bool:
+        """Publish a full block under its hash and log what it holds (`tokens`: its tokens;
+        `parent`: the previous block's hash); False if another block already holds that hash
+        (first writer wins)."""
         self.pool.cache(block, block_hash)
         if block.block_hash is not block_hash:
             return False
-        start = index * self.block_size - offset
         self.log.publish(block.block_id, PublishedBlock(
-            block_hash, hashes[index - 1] if index else None,
-            tuple(tokens[start:start + self.block_size]), cache_salt, origin, time.time()))
+            block_hash, parent, tuple(tokens), cache_salt, origin, time.time()))
         return True
 
     def trim(self, request: KVRequest) -> None:
@@ -344,19 +357,16 @@ class KVCacheManager:
         """(block id, hash) of the leading blocks of `hashes` in the memory prefix cache."""
         run = []
         for block_hash in hashes:
-            block = self.pool.lookup(block_hash)
-            if block is None:
+            if (block := self.pool.lookup(block_hash)) is None:
                 break
             run.append((block.block_id, block_hash))
         return run
 
     def pin_prefix(self, token_ids: list[int], cache_salt: str | None,
                    until: float) -> tuple[int, int]:
-        """Pin the cached full blocks of this prefix until `until` (see `PinRegistry`).
-
-        Returns (tokens newly pinned, tokens already pinned); a partial last block is never
-        pinned, nor anything past the first block missing from the cache.
-        """
+        """Pin the cached full blocks of this prefix until `until` (see `PinRegistry`): returns
+        (tokens newly pinned, tokens already pinned); a partial last block is never pinned,
+        nor anything past the first block missing from the cache."""
         if not self.enable_prefix_caching:
             return 0, 0
         hashes = self.prefix_hashes(token_ids, cache_salt)
@@ -369,26 +379,21 @@ class KVCacheManager:
 
     def usage(self) -> KVUsage:
         pool = self.pool
-        return KVUsage(
-            block_size=self.block_size,
-            num_blocks_total=pool.num_blocks,
-            num_blocks_free=pool.num_free,
-            num_blocks_cached=pool.num_cached_free,
-            num_blocks_used=pool.num_in_use,
-            num_blocks_pinned=len(self.pins),
-            prefix_cache_query_tokens=self.prefix_cache_query_tokens,
-            prefix_cache_hit_tokens=self.prefix_cache_hit_tokens,
-            tier_hit_tokens=self.tier_hit_tokens,
-            num_copied_blocks=self.num_copied_blocks,
-        )
+        return KVUsage(self.block_size, pool.num_blocks, pool.num_free, pool.num_cached_free,
+                       pool.num_in_use, len(self.pins), self.prefix_cache_query_tokens,
+                       self.prefix_cache_hit_tokens, self.tier_hit_tokens, self.num_copied_blocks)
 
     def snapshot(self) -> KVSnapshot:
         """Block states, published blocks and holders: plain copies for the live view."""
-        tables = ((rid, t.cache_salt, [b.block_id for b in t.blocks])
+        tables = ((rid, t.cache_salt, [b.block_id for b in self._holdings(rid)])
                   for rid, t in self._tables.items())
         presence = self.tiers.presence if self.tiers is not None else None
         return take_snapshot(self.block_size, self.pool.blocks, self.pins.block_ids(),
                              self.log, tables, presence)
 
     def check_integrity(self) -> None:
-        check_holders(self.pool, self.pins, (t.blocks for t in self._tables.values()))
+        check_holders(self.pool, self.pins, (self._holdings(rid) for rid in self._tables))
+
+    def _holdings(self, request_id: str) -> list[KVBlock]:
+        """Every block the request holds (in every KV group)."""
+        return self._tables[request_id].blocks

@@ -61,6 +61,9 @@ class AttentionMetadata:
     blend: RowFilter | None = None  # a blended step (`blend/`): rows drop out after a layer
     # window -> (decode slots, lens) narrowed to it, filled on first use within the step
     window_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # A hybrid KV layout (`kv/groups.py`): per model layer, its place in a page (the storage
+    # layer it reads and writes) and the metadata of its group's block table.
+    layers: list[tuple[int, AttentionMetadata]] | None = None
 
 
 def paged_attention(
@@ -79,6 +82,8 @@ def paged_attention(
     itself included; exact, as the model was trained); `scale`: the score scale (default
     head_dim ** -0.5). Either one sends decodes through PyTorch rather than the C kernel.
     """
+    if meta.layers is not None:
+        layer, meta = meta.layers[layer]
     if (kv_storage is not None and meta.slot_mapping is not None
             and not _store_kernel(layer, k, v, meta, kv_storage)):
         kv_storage.write(layer, meta.slot_mapping, k, v)

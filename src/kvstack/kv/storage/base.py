@@ -1,7 +1,9 @@
 """Preallocated paged K/V tensors: write new tokens into slots, read a sequence's blocks back.
 
 Layout per layer: `k[layer]`, `v[layer]`: [num_blocks * block_size, H_kv, D]. A slot is
-`block_id * block_size + offset`; a request's slots follow its block table.
+`block_id * block_size + offset`; a request's slots follow its block table. Under a hybrid
+layout (`kv/groups.py`) a storage holds `num_layers` = a page's layers, and "layer" here is a
+layer's place in its page (attention maps model layers to places).
 
 This class stores K/V as floats (the model's dtype, or another float dtype cast on write and
 back on read); `kv/quantized.py` and `kv/int4.py` store them quantized behind the same methods.
@@ -45,15 +47,16 @@ class KVCacheStorage:
 
     def __init__(
         self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-        compute_dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype | None = None, num_layers: int | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype  # of the stored elements
         self.compute_dtype = compute_dtype or dtype  # of what `read` returns
         shape = (num_blocks * block_size, model.num_kv_heads, model.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
+        layers = range(num_layers or model.num_layers)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in layers]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in layers]
 
     @property
     def lossy(self) -> bool:

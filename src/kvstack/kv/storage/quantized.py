@@ -77,14 +77,14 @@ class QuantizedKVStorage(KVCacheStorage):
     and dequantizes both with one op each (a decode step's cost is these ops' count)."""
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, kv_dtype: str,
-                 compute_dtype: torch.dtype) -> None:
+                 compute_dtype: torch.dtype, num_layers: int | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = _STORED[kv_dtype]
         self.compute_dtype = compute_dtype
         self.kv_dtype = kv_dtype
         slots, heads, dim = num_blocks * block_size, model.num_kv_heads, model.head_dim
-        layers = range(model.num_layers)
+        layers = range(num_layers or model.num_layers)
         self.kv = [torch.zeros((slots, 2, heads, dim), dtype=self.dtype) for _ in layers]
         self.scale = [torch.ones((slots, 2, heads), dtype=torch.float16) for _ in layers]
         if dim & (dim - 1) == 0:
