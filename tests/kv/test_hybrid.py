@@ -164,3 +164,19 @@ def test_a_single_type_model_keeps_the_classic_manager() -> None:
     chunked = HybridKVCacheManager(KVLayout.hybrid(TINY), 64, BS, True, "fake-model",
                                    max_chunk_tokens=16)
     assert chunked.max_blocks_held(40) == 10 + 2 * 7  # ceil((8 - 1 + 16) / 4) + 1
+
+
+def test_a_pinned_prefix_keeps_every_group_s_last_window() -> None:
+    """A pin (Anthropic cache_control) holds group 0's run and each window group's last window
+    before its end: after everything else is evicted, the pinned prefix still hits in full."""
+    kv = hybrid()
+    prompt = list(range(40))
+    request = prefill(kv, "a", prompt)
+    kv.slide_window(request)
+    kv.free("a")
+    assert kv.pin_prefix(prompt[:36], None, until=1e18) == (36, 0)
+    assert len(kv.pins) == 9 + 2 * 2  # 9 blocks of group 0, blocks 7 and 8 of each window group
+    kv.reset_prefix_cache()
+    hit = kv.match_prefix(make_request("b", prompt[:37] + [5, 6, 7]))
+    assert hit.num_tokens == 36
+    kv.check_integrity()

@@ -101,6 +101,18 @@ class HybridKVCacheManager(KVCacheManager):
             self.pool.free(reversed(loaded))
             self.pool.free(reversed(kept))
 
+    def pin_prefix(self, token_ids: list[int], cache_salt: str | None,
+                   until: float) -> tuple[int, int]:
+        """Pin group 0's cached run of this prefix (the counts returned) and, in every window
+        group, the blocks of the last window before its end, which a later hit needs."""
+        counts = super().pin_prefix(token_ids, cache_salt, until)
+        if self.enable_prefix_caching:
+            hashes = self.prefix_hashes(token_ids, cache_salt)
+            needed = self.groups.needed(len(self.cached_run(hashes)), hashes)
+            for group in range(1, self.layout.num_groups):
+                self.pins.pin([h for g, _, h in needed if g == group], until)
+        return counts
+
     # -- growth and release ------------------------------------------------------------------
 
     def _group_demand(self, request_id: str, num_computed: int, num_new_tokens: int,
