@@ -180,3 +180,24 @@ def test_a_pinned_prefix_keeps_every_group_s_last_window() -> None:
     hit = kv.match_prefix(make_request("b", prompt[:37] + [5, 6, 7]))
     assert hit.num_tokens == 36
     kv.check_integrity()
+
+
+def test_admission_never_hands_out_a_hit_block_of_another_group() -> None:
+    """A window group's hit blocks sit early in the free queue (they slid out while their
+    request ran) while later frees put many blocks behind them: growing the other groups
+    must not evict and hand them out before the hit takes them."""
+    kv = hybrid(150)  # "a" takes 30, "d" the other 120: no block is left unused
+    prompt = list(range(40))
+    first = prefill(kv, "a", prompt)
+    kv.slide_window(first)  # window blocks 0..7 of groups 1 and 2 go to the free queue
+    other = prefill(kv, "d", [1000 + i for i in range(160)])
+    kv.free("d")  # 120 blocks freed behind them, and "a"'s own after those
+    kv.free("a")
+    probe = make_request("b", prompt[:37] + [999] * 63)  # a 36-token hit, 100 tokens in all
+    hit = kv.match_prefix(probe)
+    assert hit.num_tokens == 36 and other.num_computed_tokens == 160
+    assert kv.allocate(probe, 100 - 36, hit)
+    kv.check_integrity()  # a block in two tables would have two holders and one reference
+    rows = kv.groups.held("b")
+    assert all(row[0] is block for row, block in zip(rows, [r[7] for r in hit.group_blocks],
+                                                     strict=True))

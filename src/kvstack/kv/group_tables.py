@@ -131,14 +131,17 @@ class GroupTables:
 
     def grow(self, request_id: str, num_computed: int, num_new_tokens: int,
              rows: GroupRows | None, on_copy: Callable[[int, int], None] | None) -> int:
-        """Take what `demand` counted (the caller made room); returns the copies made."""
+        """Take what `demand` counted (the caller made room); returns the copies made. Every
+        group's hit blocks are taken before any allocation: one may sit free at the head of
+        the free queue, where an allocation would evict it."""
         num_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
         copies = 0
-        for i, table in enumerate(self._of(request_id)):
-            if rows is not None:
-                self.pool.touch([b for b in rows[i] if b is not None])
-                table.blocks.extend(rows[i])
-                table.num_slid = self._first_live(i, len(rows[i]) * self.block_size)
+        tables = self._of(request_id)
+        for i, (table, row) in enumerate(zip(tables, rows or [], strict=False)):
+            self.pool.touch([b for b in row if b is not None])
+            table.blocks.extend(row)
+            table.num_slid = self._first_live(i, len(row) * self.block_size)
+        for table in tables:
             shared = self._shared_tail(table, num_computed, num_new_tokens)
             if shared is not None:
                 source = table.blocks[shared]

@@ -207,9 +207,10 @@ class KVCacheManager:
             table.blocks.extend(hit_blocks)
             if len(hit.block_hashes) > len(table.block_hashes):
                 table.block_hashes = list(hit.block_hashes)
+        # Every hit block is taken before any allocation, which could evict a free one.
+        self._group_grow(request.request_id, num_computed, num_new_tokens, hit)
         if num_new_blocks > 0:
             table.blocks.extend(self.pool.allocate(num_new_blocks))
-        self._group_grow(request.request_id, num_computed, num_new_tokens, hit)
         return True
 
     # A hybrid layout's other KV groups (`kv/hybrid.py`): the blocks their growth takes and
