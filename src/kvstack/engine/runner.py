@@ -52,6 +52,9 @@ class ModelRunner:
                  layout: KVLayout | None = None) -> None:
         self.model = model
         self.layout = layout  # a hybrid layout: one block table per KV group
+        # Per model layer: its place in a page and its KV group (fixed: computed once).
+        self.layer_places = (list(zip(layout.tensor_of_layer(), layout.group_of_layer(),
+                                      strict=True)) if layout is not None else [])
         self.blender = blender  # plans blended steps (`blend/`)
         self.kv_storage = kv_storage
         self.sampler = sampler
@@ -173,9 +176,7 @@ class ModelRunner:
             # One block table per KV group: each group's layers read theirs.
             metas = [meta] + [self._metadata(batch, lambda s, g=g: s.group_block_ids[g - 1])
                               for g in range(1, self.layout.num_groups)]
-            places = self.layout.tensor_of_layer()
-            meta.layers = [(places[layer], metas[group])
-                           for layer, group in enumerate(self.layout.group_of_layer())]
+            meta.layers = [(place, metas[group]) for place, group in self.layer_places]
         return (
             torch.tensor(ids, dtype=torch.int64),
             torch.tensor(pos, dtype=torch.int64),

@@ -208,7 +208,7 @@ class GroupTables:
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child's tables share the parent's blocks by reference."""
-        parents = self._tables.get(parent_id, [])
+        parents = self._tables.get(parent_id) or [_GroupTable() for _ in self.windows]
         children = self._of(child_id)
         for parent, child in zip(parents, children, strict=True):
             self.pool.touch([b for b in parent.blocks if b is not None])

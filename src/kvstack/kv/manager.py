@@ -101,7 +101,9 @@ class KVCacheManager:
     # -- a request's table ------------------------------------------------------------------
 
     def _table(self, request_id: str) -> _BlockTable:
-        return self._tables.setdefault(request_id, _BlockTable())
+        if (table := self._tables.get(request_id)) is None:  # no new object per lookup
+            table = self._tables[request_id] = _BlockTable()
+        return table
 
     def blocks(self, request_id: str) -> list[KVBlock]:
         """The request's blocks in position order (a copy; empty when it holds none)."""
@@ -213,8 +215,7 @@ class KVCacheManager:
             table.blocks.extend(self.pool.allocate(num_new_blocks))
         return True
 
-    # A hybrid layout's other KV groups (`kv/hybrid.py`): the blocks their growth takes and
-    # the hit blocks to keep meanwhile, then the growth itself. None here.
+    # A hybrid layout's other KV groups (`kv/hybrid.py`): their demand, then growth. None here.
     def _group_demand(self, request_id: str, num_computed: int, num_new_tokens: int,
                       hit: PrefixHit | None) -> tuple[int, list[KVBlock]]:
         return 0, []
@@ -302,8 +303,7 @@ class KVCacheManager:
         """Free the blocks past the request's computed tokens (a step wrote draft tokens there
         that were rejected); the slots of rejected tokens inside the last kept block are
         simply overwritten later. Nothing past the computed tokens was ever published."""
-        table = self._tables.get(request.request_id)
-        if table is None:
+        if (table := self._tables.get(request.request_id)) is None:
             return
         keep = self.blocks_needed(request.num_computed_tokens) - table.num_dropped_blocks
         if len(table.blocks) > keep:
