@@ -344,24 +344,30 @@ def test_stats_follow_a_scripted_scenario(expected: list[list[int]]) -> None:
     engine.add_request(PROMPTS[2], params, request_id="b")  # 48 tokens
     s = llm.stats()
     assert (s.num_requests_running, s.num_requests_waiting, s.num_blocks_used) == (0, 2, 0)
-    engine.step()  # both prefill at once: same shared prefix, but not computed yet
+    engine.step()  # a prefills; b waits, since its first block is a's, still being computed
+    s = llm.stats()
+    assert (s.num_requests_running, s.num_requests_waiting) == (1, 1)
+    assert (s.num_blocks_used, s.num_blocks_free, s.num_blocks_cached) == (4, 87, 0)
+    assert s.kv_cache_usage == pytest.approx(4 / 91)
+    assert (s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens) == (49, 0)
+    engine.step()  # a decodes; b is admitted with a's two shared-prefix blocks as a hit
     s = llm.stats()
     assert (s.num_requests_running, s.num_requests_waiting) == (2, 0)
-    assert (s.num_blocks_used, s.num_blocks_free, s.num_blocks_cached) == (4 + 3, 84, 0)
-    assert s.kv_cache_usage == pytest.approx(7 / 91)
-    assert (s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens) == (97, 0)
+    assert (s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens) == (97, 32)
+    # a: 50 tokens in 4 blocks; b: 48 in 3, the first 2 of them a's.
+    assert (s.num_blocks_used, s.num_blocks_free, s.num_blocks_cached) == (4 + 1, 86, 0)
     final = drive(llm, {}, params)
     assert final["a"].outputs[0].token_ids == expected[0][:4]
     assert final["b"].outputs[0].token_ids == expected[2][:4]
+    assert final["b"].num_cached_tokens == 32
     s = llm.stats()
-    # a: 52 tokens computed -> 3 full blocks; b: 51 -> 3, of which the first 2 duplicate a's
-    # shared-prefix blocks and stay unpublished (first writer wins).
+    # a: 52 tokens computed -> 3 full blocks; b: 51 -> 3, of which the first 2 are a's.
     assert (s.num_blocks_used, s.num_blocks_free, s.num_blocks_cached) == (0, 91, 4)
     c = llm.generate(PROMPTS[5], params)[0]
     assert c.num_cached_tokens == 32 and c.outputs[0].token_ids == expected[5][:4]
     s = llm.stats()
-    assert (s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens) == (97 + 49, 32)
-    assert s.prefix_cache_hit_rate == pytest.approx(32 / 146)
+    assert (s.prefix_cache_query_tokens, s.prefix_cache_hit_tokens) == (97 + 49, 64)
+    assert s.prefix_cache_hit_rate == pytest.approx(64 / 146)
     assert (s.num_prompt_tokens, s.num_generation_tokens, s.num_preemptions) == (146, 12, 0)
     # c: 52 computed -> 3 full blocks; 2 are a's (hit), 1 is new.
     assert s.num_blocks_cached == 5

@@ -283,6 +283,40 @@ def test_prefix_shared_between_running_requests() -> None:
     eng.check()
 
 
+@pytest.mark.parametrize("budget", [64, 5])
+def test_a_burst_on_one_new_prefix_computes_it_once(budget: int) -> None:
+    eng = FakeEngine(num_blocks=64, block_size=4, budget=budget)
+    shared = list(range(12))
+    reqs = [eng.add(f"S{i}", shared + [20 + i], 2) for i in range(3)]
+    other = eng.add("D", list(range(30, 36)), 2)
+    eng.step()
+    # S1 and S2 wait for S0's blocks; D, with nothing in flight, goes ahead of them.
+    assert [rid for rid, _ in eng.trace[0]] == (["S0", "D"] if budget == 64 else ["S0"])
+    eng.run()
+    assert [r.num_cached_tokens for r in reqs] == [0, 12, 12]
+    computed = sum(n for step in eng.trace for rid, n in step if rid.startswith("S"))
+    assert computed == 13 + 2 * 1 + 3 * 1  # the prefix once, each last token, decodes
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 2)
+    assert other.output_token_ids == reference(range(30, 36), 2)
+    assert eng.pool.num_in_use == 0
+    eng.check()
+
+
+def test_a_request_waits_only_for_blocks_in_flight() -> None:
+    eng = FakeEngine(num_blocks=64, block_size=4, budget=64)
+    a = eng.add("A", list(range(12)), 2)
+    b = eng.add("B", list(range(8)) + [90, 91, 92, 93, 94], 2)  # shares two blocks, then not
+    c = eng.add("C", list(range(3)), 2)  # shorter than a block: nothing to wait for
+    eng.step()
+    assert eng.trace[0] == [("A", 12), ("C", 3)]  # B waits: its first block is in flight
+    eng.run()
+    assert (b.num_cached_tokens, c.num_cached_tokens) == (8, 0)
+    assert [r.output_token_ids for r in (a, b, c)] == [
+        reference(r.prompt_token_ids, 2) for r in (a, b, c)]
+    eng.check()
+
+
 def test_fully_cached_prompt_still_computes_its_last_token() -> None:
     eng = FakeEngine(num_blocks=32, block_size=4, budget=64)
     prompt = list(range(8))  # exactly two blocks

@@ -6,6 +6,11 @@ prefills, then new arrivals, each prefill chunked to what is left of the budget.
 pool runs dry the most recently admitted request is preempted (blocks freed, requeued at the
 front, recomputed later with its output so far as prompt) — but not one resumed just now.
 
+A waiting request whose next uncached block a running prefill is computing right now waits
+(later arrivals go ahead of it) until that block is published, then admits with it as a hit:
+a burst of requests on one new document computes the document once, not once per request
+(SGLang's in-batch prefix caching does the same).
+
 Parallel samples of one prompt (`engine/parallel.py`) enter as one request carrying its
 siblings (`pending_forks`); it is admitted only when all of them fit under `max_num_seqs`.
 The step that completes its prompt forks them: each shares the prompt's blocks (`fork`) and
@@ -19,7 +24,8 @@ from dataclasses import dataclass, field
 
 from kvstack.config import SchedulerConfig
 from kvstack.engine.request import Request, RequestStatus
-from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.block_hash import BlockHash
+from kvstack.kv.manager import KVCacheManager, PrefixHit
 
 
 @dataclass
@@ -191,11 +197,16 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_manager
         assert kv is not None
+        in_flight = self._blocks_in_flight(self.running) if self.waiting else set()
+        deferred: list[Request] = []
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if self._num_seqs() + 1 + len(request.pending_forks) > self.config.max_num_seqs:
                 break
             hit = kv.match_prefix(request)
+            if self._joins_in_flight(request, hit, in_flight):
+                deferred.append(self.waiting.popleft())
+                continue
             if request.blend is not None:
                 request.blend.admit(hit.num_tokens)
             num_new = self._fit(request, hit.num_tokens, min(request.num_tokens - hit.num_tokens,
@@ -219,6 +230,35 @@ class Scheduler:
             self.running.append(request)
             self._schedule_one(out, request, num_new, drafts)
             budget -= num_new + len(drafts)
+            in_flight |= self._blocks_in_flight([request])
+        self.waiting.extendleft(reversed(deferred))
+
+    def _blocks_in_flight(self, requests: list[Request]) -> set[BlockHash]:
+        """Hashes of the exact prompt blocks these requests have yet to finish computing."""
+        kv = self.kv_manager
+        assert kv is not None
+        out: set[BlockHash] = set()
+        for r in requests:
+            end = r.num_exact_tokens if r.num_exact_tokens is not None else r.num_prompt_tokens
+            if r.num_computed_tokens < end:
+                out.update(kv.block_hashes(r.request_id)[r.num_computed_tokens // kv.block_size:
+                                                         end // kv.block_size])
+        return out
+
+    def _joins_in_flight(self, request: Request, hit: PrefixHit,
+                         in_flight: set[BlockHash]) -> bool:
+        """True when the first block past the request's hit is being computed by another
+        request (so waiting a step or two turns it into a hit). Only for plain requests: a
+        blended one plans its own regions."""
+        kv = self.kv_manager
+        assert kv is not None
+        if not in_flight or request.blend is not None:
+            return False
+        # The last token is always computed, so only blocks before it can become a hit.
+        max_blocks = (request.num_tokens - 1) // kv.block_size
+        index = hit.num_tokens // kv.block_size
+        return index < min(max_blocks, len(hit.block_hashes)) and \
+            hit.block_hashes[index] in in_flight
 
     def _schedule_without_cache(self) -> SchedulerOutput:
         # Baseline: every step recomputes each running request's whole sequence from token 0.
