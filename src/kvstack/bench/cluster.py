@@ -7,16 +7,22 @@ model, one thread each unless --threads, KV pool sized so the distinct salted pr
 pow2 (Ray Serve's default policy), Ray's own PrefixCacheAffinityRouter, cache-aware, and an
 oracle pinning each prefix to one replica; then with Redis: cache-aware and round-robin.
 
-The arrival rate is set from this machine's measured prefill and decode rates (also recorded
-to calibrate `--simulate`): `LOAD` of what two replicas can serve when every prefix hits,
-i.e. a load at which caching decides whether the cluster keeps up. `--simulate` runs the
-scorer on a simulated cluster of 16-256 replicas instead (`cluster_sim`).
+The arrival rate is calibrated on the cluster itself, before the policies run: a probe
+deployment (cache-aware, same replicas) times requests one at a time through the ingress (a
+prefix missed, then hit; unique prompts), and the rate is `LOAD` of what two replicas serve
+when each prefix is computed once and hit afterwards (the workload's mix of hits and unique
+prompts, plus each prefix's first miss spread over the run). At that load a policy that keeps
+prefixes where they are cached keeps up, and one that recomputes them falls behind: the load
+at which routing decides TTFT. The engine's own prefill and decode rates are measured too (to
+calibrate `--simulate`, which runs the scorer on 16-256 simulated replicas: `cluster_sim`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +30,19 @@ import httpx
 import numpy as np
 
 from kvstack.bench.cluster_sim import calibrate, run_simulation
-from kvstack.bench.cluster_workload import Workload, WorkloadConfig, make_workload, play
+from kvstack.bench.cluster_workload import (
+    Workload,
+    WorkloadConfig,
+    make_workload,
+    play,
+    play_streams,
+    probe_workloads,
+)
 from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow
 from kvstack.bench.format import ratio
 from kvstack.errors import InvalidRequestError
 
-LOAD = 0.85
+LOAD = 0.8
 NUM_REPLICAS = 2
 MAX_NUM_SEQS = 4
 
@@ -58,27 +71,30 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
                                   f"{options.model} has none")
     rates, layout = calibrate(subject, options)
     vocab = subject.checkpoint.config.vocab_size
-    config = WorkloadConfig(tenants=2 if options.quick else 3,
+    config = WorkloadConfig(tenants=2 if options.quick else 4, private_docs=2,
                             token_range=(min(100, vocab // 2), min(49_000, vocab)))
-    num_requests = options.requests or (10 if options.quick else 60)
-    rate = _arrival_rate(config, rates)
-    workload = make_workload(config, num_requests, rate, seed=0)
+    num_requests = options.requests or (10 if options.quick else 120)
+    sizing = make_workload(config, num_requests, 1.0, seed=0)  # arrivals aside, the same
     shape = subject.kv_shape()
-    kv_blocks = int(workload.distinct_prefix_tokens / 1.4 / shape.block_size) + 1
+    kv_blocks = int(sizing.distinct_prefix_tokens / 1.4 / shape.block_size) + 1
+    kv_bytes = kv_blocks * shape.bytes_per_block
     results = {}
     with LocalRedis() as redis, RayInstance(num_cpus=NUM_REPLICAS * options.threads,
                                             log_to_driver=False):
         url = f"http://127.0.0.1:{free_port()}"
         start_http("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        probe = _probe(options, url, config, kv_bytes, redis)
+        rate = _arrival_rate(config, probe, len(sizing.prefixes), num_requests)
+        workload = make_workload(config, num_requests, rate, seed=0)
+        _progress_line(options, f"  probe: {probe}; arrival rate {rate:.2f} requests/s")
         for spec in _runs(options):
             pins = workload.oracle_pins(layout, NUM_REPLICAS) if spec.router == "oracle" else {}
             results[spec.name] = _run_policy(spec, options, url, workload, redis.url if
-                                             spec.redis else None, kv_blocks * shape.
-                                             bytes_per_block, pins, redis)
+                                             spec.redis else None, kv_bytes, pins, redis)
             _progress(options, spec.name, results[spec.name])
     config_out = {"model": options.model, "quick": options.quick, "replicas": NUM_REPLICAS,
                   "threads_per_replica": options.threads, "max_num_seqs": MAX_NUM_SEQS,
-                  "requests": num_requests, "rate_per_s": rate, "load": LOAD,
+                  "requests": num_requests, "rate_per_s": rate, "load": LOAD, "probe": probe,
                   "workload": config.__dict__, "kv_blocks_per_replica": kv_blocks,
                   "distinct_prefix_tokens": workload.distinct_prefix_tokens,
                   "prefixes_over_replica_kv": workload.distinct_prefix_tokens /
@@ -97,21 +113,51 @@ def _runs(options: BenchOptions) -> tuple[Run, ...]:
     return QUICK_RUNS if options.quick else RUNS
 
 
-def _arrival_rate(config: WorkloadConfig, rates: dict[str, float]) -> float:
-    """`LOAD` x the requests/s two replicas serve when every prefix hits: each request then
-    computes its question (or a whole unique prompt) and decodes its answer."""
-    cfg = config
-    question = (1 - cfg.unique_fraction) * sum(cfg.question_tokens) / 2
-    unique = cfg.unique_fraction * sum(cfg.unique_tokens) / 2
-    out = sum(cfg.output_tokens) / 2
-    seconds = (question + unique) / rates["prefill_tokens_per_s"] + \
-        out / rates["decode_tokens_per_s"] / 2  # two sequences share a decode step, about
-    return LOAD * NUM_REPLICAS / seconds
+def _arrival_rate(config: WorkloadConfig, probe: dict[str, float], num_prefixes: int,
+                  num_requests: int) -> float:
+    """`LOAD` x the requests/s the cluster serves when each prefix is computed once: the
+    probe's closed-loop capacity on the workload's mix of hits and unique prompts, with each
+    prefix's first miss (its extra time, slowed down as much as the loaded cluster is slower
+    than one request at a time) spread over the run."""
+    u = config.unique_fraction
+    alone = (1 - u) * probe["hit_s"] + u * probe["unique_s"]  # seconds per request, alone
+    loaded = NUM_REPLICAS / probe["capacity_per_s"]  # replica-seconds per request, loaded
+    miss = max(probe["miss_s"] - probe["hit_s"], 0.0) * loaded / alone
+    return LOAD / (1 / probe["capacity_per_s"] + num_prefixes * miss / NUM_REPLICAS /
+                   num_requests)
 
 
-def _run_policy(spec: Run, options: BenchOptions, url: str, workload: Workload,
-                redis_url: str | None, kv_bytes: int, pins: dict[int, int],
-                redis: Any) -> dict[str, Any]:
+def _probe(options: BenchOptions, url: str, config: WorkloadConfig, kv_bytes: int,
+           redis: Any) -> dict[str, float]:
+    """Through the ingress (`probe_workloads`): seconds per request one at a time on each
+    replica (a prefix miss, a hit, a unique prompt), then the closed-loop capacity in
+    requests/s."""
+    timed, mix = probe_workloads(config)
+    with _deployed(Run("probe", "cache-aware", False), options, url, timed, None,
+                   kv_bytes, {}, redis):
+        samples = asyncio.run(play_streams(url, "bench", timed))
+        started = time.perf_counter()
+        loaded = asyncio.run(play_streams(url, "bench", mix))
+        elapsed = time.perf_counter() - started
+    failed = [s["error"] for s in samples + loaded if s["error"] is not None]
+    if failed:
+        raise RuntimeError(f"bench cluster: a probe request failed: {failed[0]}")
+
+    def mean(pick: int) -> float:
+        return float(np.mean([s["latency_s"] for s in samples[pick::3]]))
+
+    return {"miss_s": mean(0), "hit_s": mean(1), "unique_s": mean(2),
+            "capacity_per_s": len(loaded) / elapsed,
+            "capacity_cached_fraction": sum(s["cached_tokens"] for s in loaded) /
+            sum(s["prompt_tokens"] for s in loaded)}
+
+
+@contextmanager
+def _deployed(spec: Run, options: BenchOptions, url: str, workload: Workload,
+              redis_url: str | None, kv_bytes: int, pins: dict[int, int],
+              redis: Any) -> Iterator[float]:
+    """A fresh deployment of the replicas under this policy (Redis flushed); yields the
+    seconds it took to come up."""
     from kvstack.cluster.deployments import ClusterSpec, build_app
     from kvstack.cluster.launch import deploy, undeploy
     from kvstack.server.state import ServerConfig
@@ -127,14 +173,21 @@ def _run_policy(spec: Run, options: BenchOptions, url: str, workload: Workload,
     redis.flush()
     started = time.perf_counter()
     deploy(build_app(cluster), app_name, url)
-    deploy_s = time.perf_counter() - started
     try:
+        yield time.perf_counter() - started
+    finally:
+        undeploy(app_name)
+
+
+def _run_policy(spec: Run, options: BenchOptions, url: str, workload: Workload,
+                redis_url: str | None, kv_bytes: int, pins: dict[int, int],
+                redis: Any) -> dict[str, Any]:
+    with _deployed(spec, options, url, workload, redis_url, kv_bytes, pins,
+                   redis) as deploy_s:
         samples, elapsed = asyncio.run(play(url, "bench", workload))
         time.sleep(2.5)  # the ingress polls replica stats every second
         state = httpx.get(f"{url}/v1/cluster", timeout=60,
                           headers={"authorization": f"Bearer {workload.keys[0]}"}).json()
-    finally:
-        undeploy(app_name)
     return {**_figures(samples, elapsed, state), "deploy_s": deploy_s, "samples": samples}
 
 
@@ -242,9 +295,13 @@ def _table(results: dict[str, dict[str, Any]]) -> list[TableRow]:
 
 
 def _progress(options: BenchOptions, name: str, r: dict[str, Any]) -> None:
+    _progress_line(options, f"  {name}: hit {r['hit_rate']:.0%} TTFT p50 {r['ttft_p50_s']:.2f} "
+                   f"s p99 {r['ttft_p99_s']:.2f} s, {r['throughput_tokens_per_s']:.1f} tok/s, "
+                   f"{r['errors']} errors, deploy {r['deploy_s']:.0f} s")
+
+
+def _progress_line(options: BenchOptions, line: str) -> None:
     if options.show_progress:
         import sys
 
-        print(f"  {name}: hit {r['hit_rate']:.0%} TTFT p50 {r['ttft_p50_s']:.2f} s p99 "
-              f"{r['ttft_p99_s']:.2f} s, {r['throughput_tokens_per_s']:.1f} tok/s, "
-              f"{r['errors']} errors, deploy {r['deploy_s']:.0f} s", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)

@@ -27,6 +27,10 @@ from kvstack.cluster.router import request_keys
 from kvstack.cluster.scoring import Layout, pin_groups
 from kvstack.server.auth import Tenant
 
+PROBE_STREAMS = 2  # one per replica
+CAPACITY_STREAMS = 8  # max_num_seqs on each of two replicas
+CAPACITY_ROUNDS = 3
+
 
 @dataclass(frozen=True)
 class WorkloadConfig:
@@ -121,6 +125,40 @@ def make_workload(config: WorkloadConfig, num_requests: int, rate_per_s: float,
     return Workload(config, requests, keys, prefixes)
 
 
+def probe_workloads(config: WorkloadConfig, seed: int = 1) -> tuple[Workload, Workload]:
+    """Requests to calibrate the arrival rate on the running cluster, in streams (a stream is
+    the requests of one `BenchRequest.group` value, sent one after another; streams run side
+    by side). First, one stream per replica, each on its own new prefix: a miss, a hit (a
+    new question) and a unique prompt. Then `CAPACITY_STREAMS` streams of the workload's mix
+    (hits on those prefixes, unique prompts) keep every replica's batch full: a closed loop
+    whose rate is what the cluster serves when everything that can hit does. Mid-range
+    lengths, outputs of the mean length."""
+    rng = np.random.default_rng(seed)
+    cfg = config
+    low, high = cfg.token_range
+
+    def mid(bounds: tuple[int, int]) -> int:
+        return sum(bounds) // 2
+
+    def draw(n: int) -> list[int]:
+        return rng.integers(low, high, n).tolist()
+
+    out = mid(cfg.output_tokens)
+    prefixes = {stream: draw(mid(cfg.prefix_tokens)) for stream in range(PROBE_STREAMS)}
+
+    def ask(stream: int, prefix: int | None) -> BenchRequest:
+        prompt = draw(mid(cfg.unique_tokens)) if prefix is None else \
+            prefixes[prefix] + draw(mid(cfg.question_tokens))
+        return BenchRequest(0.0, 0, stream, prompt, out)
+
+    timed = [ask(s, p) for s in range(PROBE_STREAMS) for p in (s, s, None)]
+    mix = [ask(s, None if rng.random() < cfg.unique_fraction else
+               int(rng.integers(PROBE_STREAMS))) for s in range(CAPACITY_STREAMS)
+           for _ in range(CAPACITY_ROUNDS)]
+    keys = ["sk-bench-tenant-0"]
+    return Workload(cfg, timed, keys, prefixes), Workload(cfg, mix, keys, prefixes)
+
+
 # -- the client --------------------------------------------------------------------------------
 
 
@@ -134,6 +172,25 @@ async def play(url: str, model: str, workload: Workload, timeout_s: float = 1800
         samples = await asyncio.gather(*(_one(client, model, workload, r, start)
                                          for r in workload.requests))
         return list(samples), time.perf_counter() - start
+
+
+async def play_streams(url: str, model: str, workload: Workload, timeout_s: float = 600.0
+                       ) -> list[dict[str, Any]]:
+    """The requests of each group in turn (each after the previous one's answer), the groups
+    side by side; arrival times ignored. Samples in the workload's order."""
+    streams: dict[int | None, list[int]] = {}
+    for i, request in enumerate(workload.requests):
+        streams.setdefault(request.group, []).append(i)
+    samples: list[dict[str, Any]] = [{} for _ in workload.requests]
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
+        async def stream(indices: list[int]) -> None:
+            for i in indices:
+                request = workload.requests[i]
+                samples[i] = await _one(client, model, workload, request,
+                                        time.perf_counter() - request.arrival)
+
+        await asyncio.gather(*(stream(indices) for indices in streams.values()))
+    return samples
 
 
 async def _one(client: httpx.AsyncClient, model: str, workload: Workload, request: BenchRequest,
@@ -168,4 +225,5 @@ async def _one(client: httpx.AsyncClient, model: str, workload: Workload, reques
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
             "arrival_s": request.arrival, "ttft_s": None if first is None else first - sent,
             "tpot_s": (last - first) / (completion - 1) if first and last and completion > 1
-            else None, "done_s": time.perf_counter() - start, "error": error}
+            else None, "latency_s": time.perf_counter() - sent,
+            "done_s": time.perf_counter() - start, "error": error}

@@ -114,7 +114,7 @@ def _cluster_flags() -> argparse.ArgumentParser:
                          f"{', '.join(CLUSTER_RUNS)} (default: all; --quick: round-robin, "
                          "cache-aware, cache-aware+redis)")
     cluster.add_argument("--requests", type=positive_int, default=None, metavar="N",
-                         help="requests in the trace (default 60; --simulate 100000)")
+                         help="requests in the trace (default 120; --simulate 100000)")
     cluster.add_argument("--sim-replicas", type=positive_int, nargs="+", default=None,
                          metavar="N", help="--simulate: replica counts (default 16 64 256)")
     cluster.add_argument("--sim-tenants", type=positive_int, nargs="+", default=None,
