@@ -157,3 +157,36 @@ def test_a_burst_of_one_new_prefix_stays_on_one_replica() -> None:
         view.routed(follow, name)
         chosen.add(name)
     assert len(chosen) == 1
+
+
+def test_a_hit_waits_for_its_replica_until_the_line_there_outweighs_the_prefix() -> None:
+    """Ray holds a request offered one replica until it has room; the router counts the
+    held requests as that replica's load, so a hot prefix spreads once its line is long."""
+    view = ClusterView("cache-aware", LAYOUT)
+    doc = request(5)
+    view.update({"a": report([stored(0, list(doc.keys))]), "b": report([])})
+    ranks = [view.choose(request(5, rid=f"h{i}"), ["a", "b"]) for i in range(6)]
+    waiting = [r for r in ranks if r == [["a"]]]
+    assert len(waiting) == 6
+    router = view.router
+    assert router is not None and len(router.held) == 6
+    again = view.choose(request(5, rid="h0"), ["a", "b"])  # a retry refreshes, never doubles
+    assert again == [["a"]] and len(router.held) == 6
+    view.routed(request(5, rid="h0"), "a")
+    assert len(router.held) == 5
+    for i in range(6, 400):
+        if view.choose(request(5, rid=f"h{i}"), ["a", "b"]) != [["a"]]:
+            break
+    # Each held hit costs its last token and a decode at "a" (1 + 32 tokens); computing the
+    # prefix at "b" costs 1,040 more: at load_weight 1/4 the line turns after 1040 * 4 / 33.
+    config = router.config
+    assert abs(i - 1040 / config.load_weight / (1 + config.running_request_tokens)) < 2
+    assert view.choose(request(5, rid="late"), ["a", "b"])[0] == ["b"]
+    router.held.expire(10**12)  # requests cancelled while held are forgotten
+    assert len(router.held) == 0 and view.choose(request(5, rid="z"), ["a", "b"]) == [["a"]]
+
+
+def test_the_oracle_offers_only_the_pinned_replica() -> None:
+    oracle = ClusterView("oracle", LAYOUT, oracle_pins={request(7).keys[0]: 1})
+    oracle.update({n: report([], running=4) for n in ("a", "b")})
+    assert oracle.choose(request(7), ["a", "b"]) == [["b"]]

@@ -24,6 +24,7 @@ from kvstack.cluster.scoring import (
     cacheable_blocks,
     rank_cache_aware,
 )
+from kvstack.cluster.waiting import HeldRequests
 from kvstack.kv.block_hash import hash_full_blocks
 
 
@@ -71,6 +72,7 @@ class CacheAwareRouter:
         self.config = config or ScoringConfig()
         self.index = ResidentIndex(max_blocks_per_replica)
         self.record = DecisionRecord(record_ttl_s)
+        self.held = HeldRequests()  # waiting in the framework for a replica (`waiting`)
         self.use_record = use_record
         self._layouts: list[Layout | None] = []
         self._queued_tokens = np.zeros(0)
@@ -94,6 +96,7 @@ class CacheAwareRouter:
         slot = self.index.slot(name)
         self.index.remove_replica(name)
         self.record.forget_slot(slot)
+        self.held.forget_slot(slot)
         self._layouts[slot] = None
         self._compatible[slot] = self._live[slot] = False
         self._queued_tokens[slot] = self._queued_requests[slot] = self._running[slot] = 0
@@ -107,8 +110,10 @@ class CacheAwareRouter:
 
     # --- routing ---------------------------------------------------------------------------
 
-    def loads(self, candidates: Collection[str] | None = None) -> ReplicaLoads:
-        """Reported load plus what the record sent since each report."""
+    def loads(self, candidates: Collection[str] | None = None,
+              request_id: str | None = None) -> ReplicaLoads:
+        """Reported load plus what the record sent since each report and the requests held
+        for each replica (but `request_id`'s own)."""
         n = self.index.num_slots
         available = self._live[:n].copy()
         if candidates is not None:
@@ -120,6 +125,10 @@ class CacheAwareRouter:
         if self.use_record:
             queued = queued + self.record.pending_tokens(n)
             queued_requests = queued_requests + self.record.pending_requests(n)
+        if self.held:
+            held_tokens, held_requests = self.held.load(n, request_id)
+            queued = queued + held_tokens
+            queued_requests = queued_requests + held_requests
         return ReplicaLoads(queued, queued_requests, self._running[:n], available)
 
     def _tables(self) -> list[KeyMasks]:
@@ -135,16 +144,25 @@ class CacheAwareRouter:
         return cached
 
     def choose(self, keys: Sequence[BlockKey], num_prompt_tokens: int, now: float,
-               candidates: Collection[str] | None = None) -> Choice:
+               candidates: Collection[str] | None = None,
+               request_id: str | None = None) -> Choice:
         if self.use_record:
             self.record.expire(now)
+        self.held.expire(now)
         n = self.index.num_slots
         choice = rank_cache_aware(num_prompt_tokens, self.layout.block_size,
                                   self.cached_blocks(keys, num_prompt_tokens),
-                                  self._compatible[:n], self.loads(candidates), self.config,
-                                  self.turn)
+                                  self._compatible[:n], self.loads(candidates, request_id),
+                                  self.config, self.turn)
         self.turn += 1
         return choice
+
+    def hold(self, request_id: str, choice: Choice, num_prompt_tokens: int,
+             now: float) -> None:
+        """The request waits for `choice.slot` (`waiting`): count it in that replica's load
+        as what it will compute there, plus a running decode."""
+        self.held.hold(request_id, choice.slot, num_prompt_tokens - choice.cached_tokens +
+                       self.config.running_request_tokens, now)
 
     def commit(self, slot: int, keys: Sequence[BlockKey], num_prompt_tokens: int,
                now: float) -> int:

@@ -217,10 +217,16 @@ class ClusterView:
             for name in allowed:
                 if name not in router.index:
                     router.add_replica(name, UNKNOWN)
-            choice = router.choose(request.keys, request.num_prompt_tokens, now, allowed)
+            choice = router.choose(request.keys, request.num_prompt_tokens, now, allowed,
+                                   request.request_id)
             self.num_guarded += choice.guarded
             names = [router.index.name(s) for s in choice.ranking]
             ranked = [n for n in names if n is not None]
+            if ranked and ranked[0] == names[0] and choice.cached_tokens and not choice.guarded:
+                # Only the replica holding the prefix: Ray waits for room there rather than
+                # sending the request to the next one to compute it again (`waiting`).
+                router.hold(request.request_id, choice, request.num_prompt_tokens, now)
+                return [[ranked[0]]]
             return [[n] for n in ranked + [a for a in allowed if a not in ranked]]
         ordered = sorted(allowed)
         if self.policy == "pow2" and len(ordered) > 1:
@@ -231,7 +237,7 @@ class ClusterView:
             pinned = self.oracle_pins.get(request.keys[0])
             members = sorted(self._members)
             if pinned is not None and pinned < len(members) and members[pinned] in ordered:
-                return [[members[pinned]], [n for n in rotated if n != members[pinned]]]
+                return [[members[pinned]]]  # whatever the load: Ray waits for room there
             return [self._least_loaded(rotated)]
         return [[n] for n in rotated]
 
@@ -254,6 +260,7 @@ class ClusterView:
                 return 0
             slot = router.index.slot(name)
             if self.policy == "cache-aware":
+                router.held.release(request.request_id)
                 predicted = router.commit(slot, request.keys, request.num_prompt_tokens, now)
             else:
                 held = held_prefix(slot, request.keys, [router.index.table])
