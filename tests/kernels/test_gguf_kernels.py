@@ -55,11 +55,14 @@ def dequantized(raw: np.ndarray, qtype: QType, shape: tuple[int, int]) -> torch.
 
 
 def block_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel rounds it: each 32-element block to int8 with scale amax / 127."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (torch.round(blocks / scale) * scale).reshape(x.shape)
+    """x as the kernel rounds it: each 32-element block to int8 with scale amax / 127, in the
+    kernel's own fp32 steps (d = amax / 127, round(x * (1 / d)), ties to even), so an element
+    near a rounding boundary lands where the kernel puts it (in double one sometimes did not,
+    and its row then missed the bound)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return (torch.round(blocks * (1 / scale)).double() * scale.double()).reshape(x.shape)
 
 
 def assert_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
