@@ -8,10 +8,11 @@ pow2 (Ray Serve's default policy), Ray's own PrefixCacheAffinityRouter, cache-aw
 oracle pinning each prefix to one replica; then with Redis: cache-aware and round-robin.
 
 The arrival rate is calibrated on the cluster itself, before the policies run: a probe
-deployment (cache-aware, same replicas) times requests one at a time through the ingress (a
-prefix missed, then hit; unique prompts), and the rate is `LOAD` of what two replicas serve
-when each prefix is computed once and hit afterwards (the workload's mix of hits and unique
-prompts, plus each prefix's first miss spread over the run). At that load a policy that keeps
+deployment (cache-aware, same replicas) times through the ingress a prefix miss, a hit and a
+unique prompt on each replica, then the closed-loop capacity of the workload's mix of hits and
+unique prompts (`probe_workloads`). The rate is `LOAD` of that capacity, with each prefix's
+first miss spread over the run (`_arrival_rate`); it is thus relative to cache-aware's own
+capacity. At that load a policy that keeps
 prefixes where they are cached keeps up, and one that recomputes them falls behind: the load
 at which routing decides TTFT. The engine's own prefill and decode rates are measured too (to
 calibrate `--simulate`, which runs the scorer on 16-256 simulated replicas: `cluster_sim`).
