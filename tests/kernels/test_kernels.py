@@ -148,6 +148,33 @@ def test_decode_attention_reads_slots_in_place(dtype: torch.dtype) -> None:
         torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
 
 
+def test_decode_attention_split_is_independent_of_threads_and_batch() -> None:
+    """Attention splits positions into fixed chunks merged afterwards: a sequence's output is
+    bit-identical whatever the thread count and whatever else shares the step, and the merge
+    weights chunks right even when one chunk's scores dominate (keys scaled up at the end)."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, n = 8, 2, 64, 333
+    k_cache, v_cache = (torch.randn(400, kv_heads, dim, generator=gen) for _ in "kv")
+    k_cache[300:] *= 6  # the last chunk's scores far above the others'
+    q = torch.randn(2, heads, dim, generator=gen)
+    slots = torch.stack([torch.randperm(400, generator=gen)[:n] for _ in range(2)])
+    lens = torch.tensor([n, 77])
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        both = kops.decode_attention(q, k_cache, v_cache, slots, lens, dim**-0.5)
+        alone = kops.decode_attention(q[:1], k_cache, v_cache, slots[:1], lens[:1], dim**-0.5)
+        assert torch.equal(both[0], alone[0])
+        outs.append(both)
+    torch.set_num_threads(1)
+    assert torch.equal(outs[0], outs[1])
+    s = slots[0]
+    ref = F.scaled_dot_product_attention(
+        q[:1, :, None], k_cache[s].transpose(0, 1)[None], v_cache[s].transpose(0, 1)[None],
+        enable_gqa=True)[0, :, 0]
+    torch.testing.assert_close(outs[0][0], ref, atol=1e-5, rtol=1e-5)
+
+
 def test_status_names_the_instruction_set_built() -> None:
     flags = set(build._cpu_flags().split())
     expected = "avx512" if {"avx512f", "avx512bw"} <= flags else "avx2"

@@ -3,6 +3,9 @@
  * their arithmetic. fp32 and bf16 tensors (bf16: computed in fp32, rounded to nearest even
  * where the reference rounds). Row-major, contiguous unless a stride is given.
  */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,6 +32,109 @@ static inline float get_f32(const float *p, int64_t i) { return p[i]; }
 static inline float get_bf16(const uint16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
 static inline void put_f32(float *p, int64_t i, float v) { p[i] = v; }
 static inline void put_bf16(uint16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+/* ---- attention's inner loops: AVX2 + FMA where the target has it, else plain C ---------- */
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp of 8 floats: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial;
+ * within 2 ulp of expf), inputs clamped to +-88.38 so very negative scores give 0. glibc's
+ * scalar expf was over half of attention's time. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)),
+                      _mm256_set1_ps(-88.3762626647949f));
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                                      _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+#endif
+
+/* s[0..n) = exp(s - mx) in place; returns their sum. */
+static inline float exp_sum(float *s, int64_t n, float mx) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 8) {
+        const int64_t left = n - j < 8 ? n - j : 8;
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, mask), m));
+        _mm256_maskstore_ps(s + j, mask, e);
+        acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(mask)));
+    }
+    return hsum8(acc);
+#else
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = expf(s[j] - mx);
+        sum += s[j];
+    }
+    return sum;
+#endif
+}
+
+/* sum_i q[i] * k[i] and acc[i] += p * v[i] over a head's dim elements, k and v of type T. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define DEFINE_HEAD_LOOPS(SUF, T)                                                             \
+    static inline float head_dot_##SUF(const float *q, const T *k, int64_t dim) {            \
+        if (dim % 8) {                                                                       \
+            float dot = 0.f;                                                                 \
+            for (int64_t i = 0; i < dim; i++) dot += q[i] * get_##SUF(k, i);                 \
+            return dot;                                                                      \
+        }                                                                                    \
+        __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();                             \
+        int64_t i = 0;                                                                       \
+        for (; i + 16 <= dim; i += 16) {                                                     \
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_##SUF(k + i), a);              \
+            b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8_##SUF(k + i + 8), b);      \
+        }                                                                                    \
+        if (i < dim) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_##SUF(k + i), a);     \
+        return hsum8(_mm256_add_ps(a, b));                                                   \
+    }                                                                                        \
+    static inline void head_axpy_##SUF(float *acc, float p, const T *v, int64_t dim) {       \
+        if (dim % 8) {                                                                       \
+            for (int64_t i = 0; i < dim; i++) acc[i] += p * get_##SUF(v, i);                 \
+            return;                                                                          \
+        }                                                                                    \
+        const __m256 pp = _mm256_set1_ps(p);                                                 \
+        for (int64_t i = 0; i < dim; i += 8)                                                 \
+            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pp, load8_##SUF(v + i),                \
+                                                      _mm256_loadu_ps(acc + i)));            \
+    }
+#else
+#define DEFINE_HEAD_LOOPS(SUF, T)                                                             \
+    static inline float head_dot_##SUF(const float *q, const T *k, int64_t dim) {            \
+        float dot = 0.f;                                                                     \
+        for (int64_t i = 0; i < dim; i++) dot += q[i] * get_##SUF(k, i);                     \
+        return dot;                                                                          \
+    }                                                                                        \
+    static inline void head_axpy_##SUF(float *acc, float p, const T *v, int64_t dim) {       \
+        for (int64_t i = 0; i < dim; i++) acc[i] += p * get_##SUF(v, i);                     \
+    }
+#endif
+DEFINE_HEAD_LOOPS(f32, float)
+DEFINE_HEAD_LOOPS(bf16, uint16_t)
 
 /* out = w * round(x * rsqrt(mean(x^2) + eps)), as the reference's RMSNorm; with `res`, first
  * x = round(x + res) in place (the residual add before the norm). */
@@ -90,43 +196,108 @@ static inline void put_bf16(uint16_t *p, int64_t i, float v) { p[i] = f32_to_bf1
 /* One query token per sequence against its cached keys/values, read in place through its
  * slots (no gathered copy). q, out: [seqs, heads, dim]; k, v: [slots, kv_heads, dim];
  * slots: [seqs, max_ctx] (the first lens[b] are real). Grouped-query: head h reads kv head
- * h / (heads / kv_heads). Scores and the softmax in fp32. */
+ * h / (heads / kv_heads). Scores and the softmax in fp32.
+ *
+ * Work is split into units of (sequence, kv head, ATTN_CHUNK positions): a unit reads each
+ * of its K and V rows once for all the query heads sharing that kv head (instead of once per
+ * head), and a single sequence still gives both threads work. Each unit leaves, per head, its
+ * running max, softmax denominator and unnormalised output; a second pass merges a head's
+ * chunks in order (flash-decoding's split). The split depends only on the positions, never
+ * on the thread count or the other sequences of the step, so neither changes a result; up to
+ * ATTN_CHUNK positions it is the plain softmax. Returns 0, or -1 without memory. */
+#define ATTN_CHUNK 128
+/* The cache rows a step reads come from memory (the weights streamed since the last step
+ * evicted them), at scattered blocks, and waiting on each row's load ran at a fifth of the
+ * bandwidth: K rows are prefetched this many positions ahead, and each V row as its K row is
+ * read, so it is in cache when the second pass needs it. */
+#define ATTN_AHEAD 4
+
+static inline void prefetch_row(const void *p, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)p + at);
+}
+
 #define DEFINE_DECODE_ATTN(SUF, T)                                                            \
-    void decode_attention_##SUF(const T *q, const T *k, const T *v, const int64_t *slots,    \
-                                const int64_t *lens, int64_t seqs, int64_t max_ctx,          \
-                                int64_t heads, int64_t kv_heads, int64_t dim, float scale,    \
-                                T *out, int threads) {                                       \
-        const int64_t group = heads / kv_heads;                                              \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                    \
-        for (int64_t bh = 0; bh < seqs * heads; bh++) {                                      \
-            const int64_t b = bh / heads, h = bh % heads, kvh = h / group, n = lens[b];      \
-            const int64_t *sl = slots + b * max_ctx;                                         \
-            float qv[dim], acc[dim], scores[n];                                              \
-            for (int64_t i = 0; i < dim; i++) qv[i] = get_##SUF(q, bh * dim + i) * scale;    \
-            float mx = -INFINITY;                                                            \
-            for (int64_t j = 0; j < n; j++) {                                                \
-                const T *kr = k + (sl[j] * kv_heads + kvh) * dim;                            \
-                float dot = 0.f;                                                             \
-                _Pragma("omp simd reduction(+:dot)")                                         \
-                for (int64_t i = 0; i < dim; i++) dot += qv[i] * get_##SUF(kr, i);           \
-                scores[j] = dot;                                                             \
-                mx = dot > mx ? dot : mx;                                                    \
+    int decode_attention_##SUF(const T *q, const T *k, const T *v, const int64_t *slots,     \
+                               const int64_t *lens, int64_t seqs, int64_t max_ctx,           \
+                               int64_t heads, int64_t kv_heads, int64_t dim, float scale,     \
+                               T *out, int threads) {                                        \
+        const int64_t group = heads / kv_heads, width = dim + 2;                             \
+        const int64_t chunks = (max_ctx + ATTN_CHUNK - 1) / ATTN_CHUNK;                      \
+        const int64_t units = seqs * kv_heads * chunks;                                      \
+        /* per unit and head: acc[dim], then the max and the denominator */                  \
+        float *part = malloc(sizeof(float) * (size_t)(units * group * width + 1));           \
+        if (!part) return -1;                                                                \
+        _Pragma("omp parallel num_threads(threads)")                                         \
+        {                                                                                    \
+            _Pragma("omp for schedule(static)")                                              \
+            for (int64_t u = 0; u < units; u++) {                                            \
+                const int64_t b = u / (kv_heads * chunks), g = (u / chunks) % kv_heads;      \
+                const int64_t lo = (u % chunks) * ATTN_CHUNK;                                \
+                const int64_t hi = lens[b] < lo + ATTN_CHUNK ? lens[b] : lo + ATTN_CHUNK;    \
+                float *pu = part + u * group * width;                                        \
+                if (lo >= hi) {                                                              \
+                    for (int64_t h = 0; h < group; h++) {                                    \
+                        pu[h * width + dim] = -INFINITY;                                     \
+                        pu[h * width + dim + 1] = 0.f;                                       \
+                    }                                                                        \
+                    continue;                                                                \
+                }                                                                            \
+                const int64_t *sl = slots + b * max_ctx;                                     \
+                float qv[group * dim], sc[group * ATTN_CHUNK];                               \
+                const T *qb = q + (b * heads + g * group) * dim;                             \
+                for (int64_t i = 0; i < group * dim; i++) qv[i] = get_##SUF(qb, i) * scale;  \
+                for (int64_t j = lo; j < hi; j++) {                                          \
+                    const T *kr = k + (sl[j] * kv_heads + g) * dim;                          \
+                    if (j + ATTN_AHEAD < hi)                                                 \
+                        prefetch_row(k + (sl[j + ATTN_AHEAD] * kv_heads + g) * dim,          \
+                                     dim * sizeof(T));                                       \
+                    prefetch_row(v + (sl[j] * kv_heads + g) * dim, dim * sizeof(T));         \
+                    for (int64_t h = 0; h < group; h++)                                      \
+                        sc[h * ATTN_CHUNK + j - lo] = head_dot_##SUF(qv + h * dim, kr, dim);   \
+                }                                                                            \
+                for (int64_t h = 0; h < group; h++) {                                        \
+                    float *s = sc + h * ATTN_CHUNK, *acc = pu + h * width;                   \
+                    float mx = -INFINITY;                                                    \
+                    for (int64_t j = 0; j < hi - lo; j++) mx = s[j] > mx ? s[j] : mx;        \
+                    const float sum = exp_sum(s, hi - lo, mx);                               \
+                    for (int64_t i = 0; i < dim; i++) acc[i] = 0.f;                          \
+                    acc[dim] = mx;                                                           \
+                    acc[dim + 1] = sum;                                                      \
+                }                                                                            \
+                for (int64_t j = lo; j < hi; j++) {                                          \
+                    const T *vr = v + (sl[j] * kv_heads + g) * dim;                          \
+                    for (int64_t h = 0; h < group; h++)                                      \
+                        head_axpy_##SUF(pu + h * width, sc[h * ATTN_CHUNK + j - lo], vr, dim); \
+                }                                                                            \
             }                                                                                \
-            float sum = 0.f;                                                                 \
-            for (int64_t j = 0; j < n; j++) {                                                \
-                scores[j] = expf(scores[j] - mx);                                            \
-                sum += scores[j];                                                            \
+            /* merge a head's chunks: weights exp(max_c - max), in chunk order */             \
+            _Pragma("omp for schedule(static)")                                              \
+            for (int64_t bh = 0; bh < seqs * heads; bh++) {                                  \
+                const int64_t b = bh / heads, g = (bh % heads) / group, hh = bh % group;     \
+                const int64_t used = (lens[b] + ATTN_CHUNK - 1) / ATTN_CHUNK;                \
+                const float *p0 = part + ((b * kv_heads + g) * chunks * group + hh) * width; \
+                const int64_t step = group * width; /* the next chunk of this head */        \
+                T *o = out + bh * dim;                                                       \
+                if (used == 1) {                                                             \
+                    const float inv = 1.0f / p0[dim + 1];                                    \
+                    for (int64_t i = 0; i < dim; i++) put_##SUF(o, i, p0[i] * inv);          \
+                    continue;                                                                \
+                }                                                                            \
+                float mx = -INFINITY, sum = 0.f, acc[dim];                                   \
+                for (int64_t c = 0; c < used; c++)                                           \
+                    mx = p0[c * step + dim] > mx ? p0[c * step + dim] : mx;                  \
+                for (int64_t i = 0; i < dim; i++) acc[i] = 0.f;                              \
+                for (int64_t c = 0; c < used; c++) {                                         \
+                    const float *pc = p0 + c * step, w = expf(pc[dim] - mx);                 \
+                    sum += w * pc[dim + 1];                                                  \
+                    for (int64_t i = 0; i < dim; i++) acc[i] += w * pc[i];                   \
+                }                                                                            \
+                const float inv = 1.0f / sum;                                                \
+                for (int64_t i = 0; i < dim; i++) put_##SUF(o, i, acc[i] * inv);             \
             }                                                                                \
-            for (int64_t i = 0; i < dim; i++) acc[i] = 0.f;                                  \
-            for (int64_t j = 0; j < n; j++) {                                                \
-                const T *vr = v + (sl[j] * kv_heads + kvh) * dim;                            \
-                const float p = scores[j];                                                   \
-                _Pragma("omp simd")                                                          \
-                for (int64_t i = 0; i < dim; i++) acc[i] += p * get_##SUF(vr, i);            \
-            }                                                                                \
-            const float inv = 1.0f / sum;                                                    \
-            for (int64_t i = 0; i < dim; i++) put_##SUF(out, bh * dim + i, acc[i] * inv);    \
         }                                                                                    \
+        free(part);                                                                          \
+        return 0;                                                                            \
     }
 
 DEFINE_NORM(f32, float)
@@ -250,9 +421,10 @@ static gemv_fn pick(int64_t kind) {
                            L->v_cache, kvd);                                                 \
             for (int64_t r = 0; r < rows; r++)                                               \
                 memcpy(q + r * qd, qkv + r * qkv_n, sizeof(T) * qd);                         \
-            decode_attention_##SUF(q, L->k_cache, L->v_cache, slots, lens, rows, max_ctx,    \
-                                   d->heads, d->kv_heads, d->head_dim, d->scale, attn,       \
-                                   threads);                                                 \
+            ok = !decode_attention_##SUF(q, L->k_cache, L->v_cache, slots, lens, rows,       \
+                                         max_ctx, d->heads, d->kv_heads, d->head_dim,        \
+                                         d->scale, attn, threads);                           \
+            if (!ok) break;                                                                  \
             ok = linear_##SUF(&L->o, attn, rows, x32, y32, y, threads);                      \
             if (!ok) break;                                                                  \
             rms_norm_##SUF(h, y, rows, d->hidden, L->post_norm, d->eps, x);                  \

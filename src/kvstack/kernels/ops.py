@@ -69,9 +69,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     int64 [B, max_ctx]; lens: int64 [B] -> out [B, H, D]."""
     seqs, heads, dim = q.shape
     out = torch.empty_like(q)
-    _fn("decode_attention", q.dtype)(
+    rc = _fn("decode_attention", q.dtype)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lens.data_ptr(),
         seqs, slots.shape[1], heads, k_cache.shape[1], dim, scale, out.data_ptr(),
         torch.get_num_threads(),
     )
+    if rc:
+        raise MemoryError("decode attention: no memory for its per-chunk partial results")
     return out
