@@ -38,6 +38,7 @@ needs_kernels = pytest.mark.skipif(build.load() is None,
                                    reason="C kernels need x86-64 AVX-512 or AVX2 and cc")
 
 TYPES = list(KERNEL_TYPES)
+X8_TYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0]  # repacked 8 rows at a time (gguf_x8.c)
 LEGACY = [t for t in TYPES if KERNEL_TYPES[t] == 32]
 # (rows of x, out, in): rows and out not multiples of 4 or 8; legacy K = 32 x odd.
 LEGACY_SHAPES = [(1, 37, 96), (3, 61, 608), (7, 4, 32), (13, 9, 160)]
@@ -102,7 +103,7 @@ def test_blocks_decode_to_the_gguf_packages_values(qtype: QType) -> None:
     lib = build.load()
     assert lib is not None
     ref = torch.empty(out, k)
-    assert lib.gguf_dequantize_reference(int(qtype), lin.blocks.data_ptr(), k, None, out,
+    assert lib.gguf_dequantize_reference(int(qtype), lin.file_blocks().data_ptr(), k, None, out,
                                          ref.data_ptr()) == 0
     assert torch.equal(ref, expected)  # the scalar decoder, which the portable path runs
     elems, nbytes = block_layout(qtype)
@@ -138,7 +139,8 @@ def test_product_is_the_dequantized_product(qtype: QType) -> None:
         x[0, :32] = 0  # an all-zero block
         bias = torch.randn(out, generator=gen)
         lin = GGUFLinear(raw, qtype, (out, k), bias=bias)
-        assert lin.kernel == "gguf_gemv" and rows <= lin.max_kernel_rows
+        assert lin.kernel == ("gguf_gemv_x8" if qtype in X8_TYPES else "gguf_gemv")
+        assert rows <= lin.max_kernel_rows
         y = lin(x)
         assert y.shape == (rows, out) and y.dtype == torch.float32
         assert_product(y - bias, x, w)
@@ -186,20 +188,45 @@ def test_prefill_sized_steps_take_the_dequantized_matmul(qtype: QType) -> None:
 
 
 @needs_kernels
-def test_fusing_and_reordering_rows() -> None:
-    (raw_a, w_a), (raw_b, w_b) = weight(QType.Q4_K, 5, 256, 30), weight(QType.Q4_K, 3, 256, 31)
-    a = GGUFLinear(raw_a, QType.Q4_K, (5, 256), bias=torch.arange(5.0))
-    b = GGUFLinear(raw_b, QType.Q4_K, (3, 256), bias=torch.arange(3.0) + 10)
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q4_1], ids=lambda t: t.name)
+def test_fusing_and_reordering_rows(qtype: QType) -> None:
+    """Parts of 13 and 6 rows: fused, the x8 layout's groups of 8 straddle the parts."""
+    (raw_a, w_a), (raw_b, w_b) = weight(qtype, 13, 256, 30), weight(qtype, 6, 256, 31)
+    a = GGUFLinear(raw_a, qtype, (13, 256), bias=torch.arange(13.0))
+    b = GGUFLinear(raw_b, qtype, (6, 256), bias=torch.arange(6.0) + 20)
     fused = GGUFLinear.cat([a, b])
-    assert fused.out_features == 8 and torch.equal(fused.dequantize(), torch.cat([w_a, w_b]))
+    assert fused.out_features == 19 and torch.equal(fused.dequantize(), torch.cat([w_a, w_b]))
     x = torch.randn(2, 256)
     assert torch.equal(fused(x), torch.cat([a(x), b(x)], dim=1))
-    index = torch.tensor([7, 0, 3, 3])
+    index = torch.tensor([18, 0, 9, 9, 3, 12, 17, 1, 5])
     picked = fused.take_rows(index)
     assert torch.equal(picked(x), fused(x)[:, index])
     other = GGUFLinear(weight(QType.Q6_K, 2, 256, 32)[0], QType.Q6_K, (2, 256))
     with pytest.raises(UnsupportedGGUFTensor, match="different types"):
         GGUFLinear.cat([a, other])
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
+def test_x8_layout_moves_the_files_bytes(qtype: QType) -> None:
+    """Q4_0 / Q4_1 / Q8_0 are held repacked 8 rows at a time: the same bytes, moved (whole
+    groups only; the last 21 % 8 rows stay as they are), back to the file's layout exactly,
+    and rows looked up in place (a tied embedding) are the file's rows."""
+    raw, w = weight(qtype, 21, 96, 8)
+    lin = GGUFLinear(raw, qtype, (21, 96))
+    assert lin.x8 and lin.blocks.shape == (21, raw.size // 21)
+    file_rows = torch.from_numpy(raw.copy()).reshape(21, -1)
+    assert not torch.equal(lin.blocks[:16], file_rows[:16])
+    assert torch.equal(lin.blocks[16:], file_rows[16:])
+    assert torch.equal(torch.sort(lin.blocks.flatten()).values,
+                       torch.sort(file_rows.flatten()).values)
+    assert torch.equal(lin.file_blocks(), file_rows)
+    ids = torch.tensor([20, 0, 7, 8, 15, 16, 3])
+    assert torch.equal(lin.file_blocks(ids), file_rows[ids])
+    assert torch.equal(lin.rows(ids), w[ids])
+    assert torch.equal(lin.dequantize(), w)
+    off = GGUFLinear(raw, qtype, (21, 96), use_kernels=False)
+    assert not off.x8 and torch.equal(off.blocks, file_rows)
 
 
 # -- what is refused ----------------------------------------------------------------------
@@ -329,15 +356,17 @@ def test_a_1d_reader_tensor_is_refused(reader: gguf.GGUFReader) -> None:
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 def test_portable_c_path_without_avx2(tmp_path: Path) -> None:
     """gguf.c built for baseline x86-64 (no AVX2, no F16C: scalar decoders, software fp16)
-    computes the same products."""
-    source = Path(kvstack.kernels.__file__).parent / "gguf.c"
+    computes the same products; gguf_x8.c builds there and declines its layout."""
+    folder = Path(kvstack.kernels.__file__).parent
     library = tmp_path / "portable.so"
-    cmd = build.compile_command([source], library, arch=("-march=x86-64", "-Werror"))
+    cmd = build.compile_command([folder / "gguf.c", folder / "gguf_x8.c"], library,
+                                arch=("-march=x86-64", "-Werror"))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lib = ctypes.CDLL(str(library))
     lib.gguf_gemv.argtypes = build._PLAIN["gguf_gemv"][0]
     lib.gguf_gemv.restype = ctypes.c_int
+    assert not any(lib.gguf_x8_supported(int(qtype)) for qtype in TYPES)
     for qtype in TYPES:
         rows, out, k = shapes_of(qtype)[1]
         raw, w = weight(qtype, out, k, 20)

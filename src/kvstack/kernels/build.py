@@ -27,7 +27,7 @@ from kvstack.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("gemv.c", "ops.c", "gguf.c")
+SOURCES = ("gemv.c", "ops.c", "gguf.c", "gguf_x8.c")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _ARCH = ("-march=native",)  # this CPU's instruction set picks the implementation
 _NAMES = {"avx512": "AVX-512", "avx2": "AVX2+FMA"}
@@ -60,6 +60,13 @@ _PLAIN = {
     "gguf_dequantize": ([_INT, _P, _I64, _P, _I64, _P, _INT], _INT),
     # type, w, k, ids, count, out
     "gguf_dequantize_reference": ([_INT, _P, _I64, _P, _I64, _P], _INT),
+    # type, x, rows, k, w (x8 layout), n, bias, y, threads
+    "gguf_gemv_x8": ([_INT, _P, _I64, _I64, _P, _I64, _P, _P, _INT], _INT),
+    "gguf_x8_supported": ([_INT], _INT),
+    # type, src, n, k, dst
+    "gguf_x8_pack": ([_INT, _P, _I64, _I64, _P], _INT),
+    # type, w, n, k, ids, count, out
+    "gguf_x8_unpack": ([_INT, _P, _I64, _I64, _P, _I64, _P], _INT),
 }
 
 

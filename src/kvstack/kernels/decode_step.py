@@ -5,8 +5,8 @@ allocations per layer) costs milliseconds per token next to ~10-20 ms of weight 
 hands the C side a table of every layer's weights and cache tensors, built once per KV storage,
 and runs all layers for steps where every row is a decode over a plain (fp32/bf16) cache.
 Weights are dense (`Linear`: fp32, bf16, int8) or a GGUF file's blocks (`GGUFLinear`, run by
-`gguf_gemv`). The kernels, their order and their roundings are those of the per-op path, so both
-give the same numbers.
+`gguf_gemv`, or `gguf_gemv_x8` for blocks repacked 8 rows at a time). The kernels, their order
+and their roundings are those of the per-op path, so both give the same numbers.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from kvstack.kernels.linear import Linear
 
 _KINDS = {"gemv_f32": 0, "gemv_bf16": 1, "gemv_i8": 2, "gemv_q8": 3, "gemv_bf16dp": 4}
 _GGUF_KIND = 100  # + the ggml type: GGUF blocks through gguf_gemv (ops.c's GGUF_KIND)
+_GGUF_X8_KIND = 200  # + the ggml type: x8-packed GGUF blocks through gguf_gemv_x8
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -64,7 +65,8 @@ def _lin(lin: Linear | GGUFLinear) -> _Lin:
     if isinstance(lin, GGUFLinear):
         return _Lin(lin.blocks.data_ptr(), None,
                     lin.bias32.data_ptr() if lin.bias32 is not None else None,
-                    lin.out_features, lin.in_features, _GGUF_KIND + int(lin.qtype))
+                    lin.out_features, lin.in_features,
+                    (_GGUF_X8_KIND if lin.x8 else _GGUF_KIND) + int(lin.qtype))
     return _Lin(lin.weight.data_ptr(),
                 lin.scale.data_ptr() if lin.scale is not None else None,
                 lin.bias32.data_ptr() if lin.bias32 is not None else None,

@@ -89,7 +89,16 @@ class GGUFLinear:
         self.blocks = _as_uint8_rows(blocks, self.out_features, self.row_bytes)
         self.bias32 = bias.float().contiguous() if bias is not None else None
         self._lib = build.load() if use_kernels else None
-        self.kernel = "gguf_gemv" if self._lib is not None else None
+        # Q4_0 / Q4_1 / Q8_0 blocks are repacked 8 rows at a time for the decode kernel
+        # (gguf_x8.c): the same bytes, moved; `file_blocks()` gives the file's layout back.
+        self.x8 = self._lib is not None and bool(self._lib.gguf_x8_supported(int(self.qtype)))
+        if self.x8:
+            packed = torch.empty_like(self.blocks)
+            _check(self._lib.gguf_x8_pack(int(self.qtype), self.blocks.data_ptr(),
+                                          self.out_features, self.in_features,
+                                          packed.data_ptr()))
+            self.blocks = packed
+        self.kernel = ("gguf_gemv_x8" if self.x8 else "gguf_gemv") if self._lib else None
         self.max_kernel_rows = MAX_KERNEL_ROWS
         self._dense: torch.Tensor | None = None  # kernels off: the dequantized weight
 
@@ -116,7 +125,7 @@ class GGUFLinear:
         if biases and len(biases) != len(parts):
             raise ValueError("either every part has a bias or none does")
         bias = torch.cat(biases) if biases else None
-        blocks = torch.cat([p.blocks for p in parts])
+        blocks = torch.cat([p.file_blocks() for p in parts])
         return cls(blocks, first.qtype, (blocks.shape[0], first.in_features), bias,
                    use_kernels=first._lib is not None)
 
@@ -124,8 +133,21 @@ class GGUFLinear:
         """A layer whose row i is this one's row index[i] (e.g. undoing convert_hf_to_gguf's
         Q/K row permutation; rows are whole blocks, so bytes move unchanged)."""
         bias = self.bias32[index] if self.bias32 is not None else None
-        return GGUFLinear(self.blocks[index], self.qtype, (index.numel(), self.in_features),
+        return GGUFLinear(self.file_blocks(index), self.qtype, (index.numel(), self.in_features),
                           bias, use_kernels=self._lib is not None)
+
+    def file_blocks(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `ids` (all rows if None) as the file stores them: uint8 [rows, row bytes]."""
+        if not self.x8:
+            return self.blocks if ids is None else self.blocks[ids]
+        assert self._lib is not None
+        ids = None if ids is None else ids.reshape(-1).to(torch.int64).contiguous()
+        count = self.out_features if ids is None else ids.numel()
+        out = torch.empty(count, self.row_bytes, dtype=torch.uint8)
+        _check(self._lib.gguf_x8_unpack(int(self.qtype), self.blocks.data_ptr(),
+                                        self.out_features, self.in_features, _ptr(ids), count,
+                                        out.data_ptr()))
+        return out
 
     @property
     def shape(self) -> torch.Size:
@@ -168,9 +190,10 @@ class GGUFLinear:
         x32 = x.to(torch.float32).contiguous()
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         bias = self.bias32.data_ptr() if self.bias32 is not None else None
-        rc = self._lib.gguf_gemv(int(self.qtype), x32.data_ptr(), rows, self.in_features,
-                                 self.blocks.data_ptr(), self.out_features, bias, y.data_ptr(),
-                                 torch.get_num_threads())
+        gemv = self._lib.gguf_gemv_x8 if self.x8 else self._lib.gguf_gemv
+        rc = gemv(int(self.qtype), x32.data_ptr(), rows, self.in_features,
+                  self.blocks.data_ptr(), self.out_features, bias, y.data_ptr(),
+                  torch.get_num_threads())
         _check(rc)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -185,8 +208,11 @@ class GGUFLinear:
             return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(
                 count, self.in_features)
         out = torch.empty(count, self.in_features, dtype=torch.float32)
-        rc = self._lib.gguf_dequantize(int(self.qtype), self.blocks.data_ptr(),
-                                       self.in_features, _ptr(ids), count, out.data_ptr(),
+        blocks = self.blocks
+        if self.x8:  # the dequantizer reads the file's layout: those rows moved back
+            blocks, ids = self.file_blocks(ids), None
+        rc = self._lib.gguf_dequantize(int(self.qtype), blocks.data_ptr(), self.in_features,
+                                       _ptr(ids), count, out.data_ptr(),
                                        torch.get_num_threads())
         _check(rc)
         return out

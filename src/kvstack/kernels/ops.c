@@ -344,8 +344,13 @@ void gemv_bf16dp(const float *, int64_t, int64_t, const uint16_t *, int64_t, con
 int gguf_gemv(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n,
               const float *bias, float *y, int threads);
 
-/* Lin.kind at or above this: GGUF blocks (gguf.c) of ggml type kind - GGUF_KIND. */
+int gguf_gemv_x8(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w,
+                 int64_t n, const float *bias, float *y, int threads);
+
+/* Lin.kind at or above this: GGUF blocks (gguf.c) of ggml type kind - GGUF_KIND; at or above
+ * GGUF_X8_KIND, blocks in the x8 layout (gguf_x8.c) of type kind - GGUF_X8_KIND. */
 #define GGUF_KIND 100
+#define GGUF_X8_KIND 200
 
 typedef struct {
     const void *w;
@@ -353,7 +358,7 @@ typedef struct {
     const float *bias;  /* fp32 or NULL */
     int64_t n, k;
     int64_t kind; /* 0 gemv_f32, 1 gemv_bf16, 2 gemv_i8, 3 gemv_q8, 4 gemv_bf16dp;
-                     GGUF_KIND + ggml type: GGUF blocks */
+                     GGUF_KIND / GGUF_X8_KIND + ggml type: GGUF blocks */
 } Lin;
 
 typedef struct {
@@ -387,7 +392,11 @@ static gemv_fn pick(int64_t kind) {
     static int linear_##SUF(const Lin *l, const T *x, int64_t rows, float *x32, float *y32,  \
                             T *y, int threads) {                                             \
         to_f32_##SUF(x, rows * l->k, x32);                                                   \
-        if (l->kind >= GGUF_KIND) {                                                          \
+        if (l->kind >= GGUF_X8_KIND) {                                                       \
+            if (gguf_gemv_x8((int)(l->kind - GGUF_X8_KIND), x32, rows, l->k, l->w, l->n,      \
+                             l->bias, y32, threads))                                         \
+                return 0;                                                                    \
+        } else if (l->kind >= GGUF_KIND) {                                                   \
             if (gguf_gemv((int)(l->kind - GGUF_KIND), x32, rows, l->k, l->w, l->n, l->bias,  \
                           y32, threads))                                                     \
                 return 0;                                                                    \
