@@ -126,6 +126,35 @@ def test_blocks_from_the_gguf_quantizer(qtype: QType) -> None:
     assert_product(lin(x), x, deq)
 
 
+@needs_kernels
+def test_activations_round_per_block_to_nearest_even() -> None:
+    """The (vectorized) activation quantizer: int8 = x * (1 / d) rounded half to even with
+    d = amax / 127 per block of 32, and sx = d * sum(int8), exactly as the reference; ties
+    included (x = d * (n + 0.5) for a power-of-two d)."""
+    lib = build.load()
+    assert lib is not None
+    fn = lib.gguf_quantize_x
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = None
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 96, generator=gen) * torch.tensor([1e-3, 1.0, 50.0])[:, None]
+    x[1, :31] = torch.arange(31) - 15 + 0.5  # -14.5 .. 15.5, and amax 127: d = 1, all ties
+    x[1, 31] = 127.0
+    x[2, 32:64] = 0  # an all-zero block: d = 1
+    xq = torch.empty(3, 96, dtype=torch.int8)
+    dx, sx = torch.empty(3, 3), torch.empty(3, 3)
+    fn(x.data_ptr(), 3, 96, xq.data_ptr(), dx.data_ptr(), sx.data_ptr())
+    blocks = x.reshape(3, 3, 32)
+    amax = blocks.abs().amax(-1)
+    d = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = torch.round(blocks * (1 / d)[..., None])
+    assert torch.equal(dx, d)
+    assert torch.equal(xq.reshape(3, 3, 32), q.to(torch.int8))
+    assert torch.equal(sx, d * q.sum(-1))
+    assert xq[1, 14:17].tolist() == [0, 0, 2]  # -0.5, 0.5, 1.5: ties to even
+
+
 # -- products -------------------------------------------------------------------------------
 
 

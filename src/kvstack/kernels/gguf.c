@@ -195,21 +195,50 @@ static void decode_scalar(int type, const uint8_t *row, int64_t b, Sub *s) {
 
 /* xq[r, b, 0..31] = round(x / dx[r, b]), dx = amax / 127 (1 for an all-zero block); sx[r, b]
  * = dx * sum of the block's xq (for the types with a min). K is a multiple of 32. */
-static void quantize_x(const float *x, int64_t rows, int64_t k, int8_t *xq, float *dx,
-                       float *sx) {
+/* x rows -> int8 blocks of 32 (xq), each block's scale dx = amax / 127 and sx = dx * sum(q)
+ * (for the mins and offsets). Rounding to nearest, ties to even, in both paths; shared with
+ * gguf_x8.c. */
+void gguf_quantize_x(const float *x, int64_t rows, int64_t k, int8_t *xq, float *dx,
+                     float *sx) {
     const int64_t nb = k / QK;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * k + b * QK;
+            int8_t *q = xq + (r * nb + b) * QK;
+#if defined(__AVX2__)
+            const __m256 sign = _mm256_set1_ps(-0.f);
+            __m256 f[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                f[i] = _mm256_loadu_ps(v + 8 * i);
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, f[i]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+            const float d = amax > 0.f ? amax / 127.f : 1.f;
+            const __m256 inv = _mm256_set1_ps(1.f / d);
+            __m256i n[4]; /* cvtps rounds as the current mode: to nearest, ties to even */
+            for (int i = 0; i < 4; i++) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv));
+            const __m256i w01 = _mm256_packs_epi32(n[0], n[1]), w23 = _mm256_packs_epi32(n[2], n[3]);
+            /* packs interleave 128-bit lanes: put the 32 bytes back in order */
+            const __m256i bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)q, bytes);
+            __m256i t = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+            __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4e));
+            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xb1));
+            const int32_t sum = _mm_cvtsi128_si32(u);
+#else
             float amax = 0.f;
             for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
             const float d = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / d;
-            int8_t *q = xq + (r * nb + b) * QK;
             int32_t sum = 0;
             for (int i = 0; i < QK; i++) {
                 q[i] = (int8_t)lrintf(v[i] * inv);
                 sum += q[i];
             }
+#endif
             dx[r * nb + b] = d;
             sx[r * nb + b] = d * (float)sum;
         }
@@ -611,7 +640,7 @@ int gguf_gemv(int type, const float *x, int64_t rows, int64_t k, const uint8_t *
     float *sx = malloc(sizeof(float) * (size_t)(rows * nb));
     const int ok = xq && dx && sx;
     if (ok) {
-        quantize_x(x, rows, k, xq, dx, sx);
+        gguf_quantize_x(x, rows, k, xq, dx, sx);
         const int64_t groups = (n + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t g = 0; g < groups; g++) {

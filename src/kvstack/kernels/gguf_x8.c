@@ -22,7 +22,6 @@
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +29,10 @@
 enum { X8_Q4_0 = 2, X8_Q4_1 = 3, X8_Q8_0 = 8 };
 
 #define QK 32
+
+/* gguf.c: activations rounded to int8 per block of 32, as its kernels take them. */
+void gguf_quantize_x(const float *x, int64_t rows, int64_t k, int8_t *xq, float *dx,
+                     float *sx);
 
 /* Bytes of one block of a type this file runs; 0 for the others. */
 static int64_t x8_block_bytes(int type) {
@@ -110,27 +113,6 @@ int gguf_x8_unpack(int type, const uint8_t *w, int64_t n, int64_t k, const int64
 }
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-
-/* x rows -> int8 blocks of 32, their scales dx and dx * sum(q) (for the mins / Q4_0's -8). */
-static void x8_quantize(const float *x, int64_t rows, int64_t k, int8_t *xq, float *dx,
-                        float *sx) {
-    const int64_t nb = k / QK;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + r * k + b * QK;
-            float amax = 0.f;
-            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
-            const float d = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / d;
-            int8_t *q = xq + (r * nb + b) * QK;
-            int32_t sum = 0;
-            for (int i = 0; i < QK; i++) {
-                q[i] = (int8_t)lrintf(v[i] * inv);
-                sum += q[i];
-            }
-            dx[r * nb + b] = d;
-            sx[r * nb + b] = d * (float)sum;
-        }
-}
 
 static inline __m256 fp16x8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -272,7 +254,7 @@ int gguf_gemv_x8(int type, const float *x, int64_t rows, int64_t k, const uint8_
     uint8_t *last = tail ? calloc(8, (size_t)row_bytes) : NULL; /* zero scales: rows of 0 */
     const int ok = xq && dx && sx && (!tail || last);
     if (ok) {
-        x8_quantize(x, rows, k, xq, dx, sx);
+        gguf_quantize_x(x, rows, k, xq, dx, sx);
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t g = 0; g < groups; g++)
             x8_group(fn, xq, dx, sx, rows, nb, w + g * 8 * row_bytes, g, 8, n, bias, y);
