@@ -28,6 +28,7 @@ from kvstack.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = ("gemv.c", "ops.c", "gguf.c", "gguf_x8.c")
+HEADERS = ("avx2.h",)  # included by the sources from their own folder; part of the cache key
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _ARCH = ("-march=native",)  # this CPU's instruction set picks the implementation
 _NAMES = {"avx512": "AVX-512", "avx2": "AVX2+FMA"}
@@ -148,7 +149,7 @@ def load() -> ctypes.CDLL | None:
         log.info("kvstack C kernels off: %s", reason)
         return None
     folder = resources.files("kvstack.kernels")
-    code = b"".join(folder.joinpath(name).read_bytes() for name in SOURCES)
+    code = b"".join(folder.joinpath(name).read_bytes() for name in SOURCES + HEADERS)
     flags = " ".join(_FLAGS + _ARCH).encode()
     key = hashlib.sha256(code + flags + _cpu_flags().encode()).hexdigest()
     target = cache_root() / "kernels" / key[:16] / "libkvstack_kernels.so"
@@ -167,7 +168,7 @@ def load() -> ctypes.CDLL | None:
         for suffix in _SUFFIXES.get(base, ("f32", "bf16")):
             fn = getattr(lib, f"{base}_{suffix}")
             fn.argtypes = argtypes
-            fn.restype = ctypes.c_int if base == "decode_step" else None
+            fn.restype = ctypes.c_int if base in ("decode_step", "decode_attention") else None
     for name, (argtypes, restype) in _PLAIN.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype

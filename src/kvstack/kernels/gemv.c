@@ -11,6 +11,8 @@
  * the same whatever else shares its step.
  */
 #include <immintrin.h>
+
+#include "avx2.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -316,20 +318,6 @@ void gemv_bf16dp(const float *x, int64_t rows, int64_t k, const uint16_t *w, int
  * accumulators in registers, so fewer W rows share a pass when more x rows do (1 x 8, 2 x 4,
  * 3-4 x 2). Each (x row, W row) sum sees the same FMAs in the same order whatever the block,
  * so a row's result does not depend on the others in its step. */
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
-
-/* bf16 -> fp32 is a 16-bit shift into the high half of each 32-bit lane. */
-static inline __m256 load8_bf16(const uint16_t *p) {
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 
 static inline __m256 load8_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));

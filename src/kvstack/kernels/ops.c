@@ -3,9 +3,7 @@
  * their arithmetic. fp32 and bf16 tensors (bf16: computed in fp32, rounded to nearest even
  * where the reference rounds). Row-major, contiguous unless a stride is given.
  */
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "avx2.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -57,17 +55,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8_bf16(const uint16_t *p) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
 #endif
 
 /* s[0..n) = exp(s - mx) in place; returns their sum. */
