@@ -477,7 +477,37 @@ static inline void q8_weight_block(const int8_t *w, int64_t k, int64_t lo, int64
             for (int j = 0; j < 4; j++) out[r][j] = hsum8(acc[r][j]);                          \
     }
 
-DEFINE_Q8_BLOCK(1)
+/* One x row (decode): the 4 W rows one after another rather than side by side, so the group
+ * is read as one sequential stream (576-byte rows side by side were 4 streams too short for
+ * the hardware prefetcher). Each (x row, W row) sum takes the same operations in the same
+ * order as in q8_block_2..4, so a row's result does not depend on its step's other rows. */
+static inline void q8_block_1(const int8_t *xq, const float *sx, int64_t nb, int64_t k,
+                              const int8_t *w, int64_t nn, float out[1][4]) {
+    int8_t pad[QB];
+    for (int j = 0; j < 4; j++) {
+        if (j >= nn) {
+            out[0][j] = 0.f;
+            continue;
+        }
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t lo = b * QB;
+            const int8_t *wb = w + j * k + lo;
+            _mm_prefetch((const char *)(wb + Q8_AHEAD * 4 * k), _MM_HINT_T0);
+            if (k - lo < QB) {
+                memset(pad, 0, QB);
+                memcpy(pad, wb, (size_t)(k - lo));
+                wb = pad;
+            }
+            const int8_t *xb = xq + b * QB;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)xb);
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
+            const __m256i d = dot64_i8(_mm256_abs_epi8(x0), x0, _mm256_abs_epi8(x1), x1, wb);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sx[b]), acc);
+        }
+        out[0][j] = hsum8(acc);
+    }
+}
 DEFINE_Q8_BLOCK(2)
 DEFINE_Q8_BLOCK(3)
 DEFINE_Q8_BLOCK(4)
