@@ -239,8 +239,9 @@ def test_fusing_and_reordering_rows(qtype: QType) -> None:
 @pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
 def test_x8_layout_moves_the_files_bytes(qtype: QType) -> None:
     """Q4_0 / Q4_1 / Q8_0 are held repacked 8 rows at a time: the same bytes, moved (whole
-    groups only; the last 21 % 8 rows stay as they are), back to the file's layout exactly,
-    and rows looked up in place (a tied embedding) are the file's rows."""
+    groups only; the last 21 % 8 rows stay as they are), back to the file's layout exactly;
+    rows looked up in place (a tied embedding) and the whole dequantized weight (prefill) are
+    the file's values."""
     raw, w = weight(qtype, 21, 96, 8)
     lin = GGUFLinear(raw, qtype, (21, 96))
     assert lin.x8 and lin.blocks.shape == (21, raw.size // 21)
@@ -253,7 +254,9 @@ def test_x8_layout_moves_the_files_bytes(qtype: QType) -> None:
     ids = torch.tensor([20, 0, 7, 8, 15, 16, 3])
     assert torch.equal(lin.file_blocks(ids), file_rows[ids])
     assert torch.equal(lin.rows(ids), w[ids])
-    assert torch.equal(lin.dequantize(), w)
+    assert torch.equal(lin.dequantize(), w)  # straight from the x8 layout, tail included
+    with pytest.raises(IndexError):
+        lin.file_blocks(torch.tensor([21]))
     off = GGUFLinear(raw, qtype, (21, 96), use_kernels=False)
     assert not off.x8 and torch.equal(off.blocks, file_rows)
 

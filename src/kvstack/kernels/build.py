@@ -68,6 +68,8 @@ _PLAIN = {
     "gguf_x8_pack": ([_INT, _P, _I64, _I64, _P], _INT),
     # type, w, n, k, ids, count, out
     "gguf_x8_unpack": ([_INT, _P, _I64, _I64, _P, _I64, _P], _INT),
+    # type, w, n, k, out, threads
+    "gguf_x8_dequantize": ([_INT, _P, _I64, _I64, _P, _INT], _INT),
 }
 
 

@@ -142,6 +142,9 @@ class GGUFLinear:
             return self.blocks if ids is None else self.blocks[ids]
         assert self._lib is not None
         ids = None if ids is None else ids.reshape(-1).to(torch.int64).contiguous()
+        if ids is not None and ids.numel() and (int(ids.min()) < 0
+                                                or int(ids.max()) >= self.out_features):
+            raise IndexError(f"row ids must be in [0, {self.out_features})")
         count = self.out_features if ids is None else ids.numel()
         out = torch.empty(count, self.row_bytes, dtype=torch.uint8)
         _check(self._lib.gguf_x8_unpack(int(self.qtype), self.blocks.data_ptr(),
@@ -208,8 +211,13 @@ class GGUFLinear:
             return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(
                 count, self.in_features)
         out = torch.empty(count, self.in_features, dtype=torch.float32)
+        if self.x8 and ids is None:  # prefill's whole weight, straight from the x8 layout
+            _check(self._lib.gguf_x8_dequantize(int(self.qtype), self.blocks.data_ptr(),
+                                                self.out_features, self.in_features,
+                                                out.data_ptr(), torch.get_num_threads()))
+            return out
         blocks = self.blocks
-        if self.x8:  # the dequantizer reads the file's layout: those rows moved back
+        if self.x8:  # a few rows (embedding lookups): moved back to the file's layout
             blocks, ids = self.file_blocks(ids), None
         rc = self._lib.gguf_dequantize(int(self.qtype), blocks.data_ptr(), self.in_features,
                                        _ptr(ids), count, out.data_ptr(),

@@ -271,7 +271,51 @@ int gguf_gemv_x8(int type, const float *x, int64_t rows, int64_t k, const uint8_
     return ok ? 0 : -2;
 }
 
+int gguf_dequantize(int type, const uint8_t *w, int64_t k, const int64_t *ids, int64_t count,
+                    float *out, int threads);
+
+/* out [n, k] = every row of an x8 tensor as fp32 (prefill's temporary weight), straight from
+ * the x8 layout; the same values as gguf_dequantize on the file's bytes (each weight is
+ * d * q (+ m), and d * q is exact in fp32). Returns 0, or -1 as gguf_gemv_x8. */
+int gguf_x8_dequantize(int type, const uint8_t *w, int64_t n, int64_t k, float *out,
+                       int threads) {
+    if (!x8_dots(type) || k <= 0 || k % QK) return -1;
+    const int64_t bb = x8_block_bytes(type), nb = k / QK, groups = n / 8;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + (g * nb + b) * 8 * bb;
+            float d[8], m[8];
+            _mm256_storeu_ps(d, fp16x8(blk));
+            _mm256_storeu_ps(m, type == X8_Q4_1 ? fp16x8(blk + 16) : _mm256_setzero_ps());
+            for (int j = 0; j < 8; j++) {
+                float *o = out + (g * 8 + j) * k + b * QK;
+                if (type == X8_Q8_0) {
+                    const int8_t *q = (const int8_t *)(blk + 16 + 32 * j);
+                    for (int i = 0; i < QK; i++) o[i] = d[j] * (float)q[i];
+                    continue;
+                }
+                const uint8_t *q = blk + (type == X8_Q4_1 ? 32 : 16) + 16 * ((j % 4) * 2 + j / 4);
+                const int off = type == X8_Q4_0 ? 8 : 0;
+                for (int i = 0; i < 16; i++) {
+                    o[i] = d[j] * (float)((q[i] & 0x0f) - off) + m[j];
+                    o[i + 16] = d[j] * (float)((q[i] >> 4) - off) + m[j];
+                }
+            }
+        }
+    if (n % 8)
+        return gguf_dequantize(type, w + groups * 8 * nb * bb, k, NULL, n - groups * 8,
+                               out + groups * 8 * k, threads);
+    return 0;
+}
+
 #else
+
+int gguf_x8_dequantize(int type, const uint8_t *w, int64_t n, int64_t k, float *out,
+                       int threads) {
+    (void)type, (void)w, (void)n, (void)k, (void)out, (void)threads;
+    return -1;
+}
 
 int gguf_x8_supported(int type) {
     (void)type;
