@@ -222,8 +222,6 @@ static const x8_fn *x8_dots(int type) {
 /* Whether this build runs the x8 layout for `type` (1) or not (0: keep the file's layout). */
 int gguf_x8_supported(int type) { return x8_dots(type) != NULL; }
 
-/* y[rows, n] = x[rows, k] @ W.T (+ bias) with W's first n / 8 * 8 rows in the x8 layout and
- * the rest in the file's. Returns 0, -1 (type or k), -2 (memory), as gguf_gemv. */
 /* Group g's 8 rows (x8 layout at `grp`) against every x row: y[:, g * 8 + j] for j < nn. */
 static void x8_group(const x8_fn *fn, const int8_t *xq, const float *dx, const float *sx,
                      int64_t rows, int64_t nb, const uint8_t *grp, int64_t g, int64_t nn,

@@ -54,7 +54,6 @@ static inline __m256 exp8(__m256 x) {
                                                          _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
-
 #endif
 
 /* s[0..n) = exp(s - mx) in place; returns their sum. */
@@ -222,13 +221,7 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
                 const int64_t lo = (u % chunks) * ATTN_CHUNK;                                \
                 const int64_t hi = lens[b] < lo + ATTN_CHUNK ? lens[b] : lo + ATTN_CHUNK;    \
                 float *pu = part + u * group * width;                                        \
-                if (lo >= hi) {                                                              \
-                    for (int64_t h = 0; h < group; h++) {                                    \
-                        pu[h * width + dim] = -INFINITY;                                     \
-                        pu[h * width + dim + 1] = 0.f;                                       \
-                    }                                                                        \
-                    continue;                                                                \
-                }                                                                            \
+                if (lo >= hi) continue; /* past the sequence: the merge never reads it */     \
                 const int64_t *sl = slots + b * max_ctx;                                     \
                 float qv[group * dim], sc[group * ATTN_CHUNK];                               \
                 const T *qb = q + (b * heads + g * group) * dim;                             \
@@ -265,11 +258,6 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
                 const float *p0 = part + ((b * kv_heads + g) * chunks * group + hh) * width; \
                 const int64_t step = group * width; /* the next chunk of this head */        \
                 T *o = out + bh * dim;                                                       \
-                if (used == 1) {                                                             \
-                    const float inv = 1.0f / p0[dim + 1];                                    \
-                    for (int64_t i = 0; i < dim; i++) put_##SUF(o, i, p0[i] * inv);          \
-                    continue;                                                                \
-                }                                                                            \
                 float mx = -INFINITY, sum = 0.f, acc[dim];                                   \
                 for (int64_t c = 0; c < used; c++)                                           \
                     mx = p0[c * step + dim] > mx ? p0[c * step + dim] : mx;                  \
