@@ -63,3 +63,6 @@ def test_the_arrival_rate_is_a_fraction_of_the_probed_capacity() -> None:
     assert fewer < some < rate
     free_misses = {**PROBE, "miss_s": PROBE["hit_s"]}
     assert cluster._arrival_rate(CONFIG, free_misses, 12, 120) == pytest.approx(rate)
+    # --load scales the rate linearly.
+    assert cluster._arrival_rate(CONFIG, PROBE, 12, 120, load=1.2) == pytest.approx(
+        some * 1.2 / cluster.LOAD)

@@ -10,9 +10,9 @@ oracle pinning each prefix to one replica; then with Redis: cache-aware and roun
 The arrival rate is calibrated on the cluster itself, before the policies run: a probe
 deployment (cache-aware, same replicas) times through the ingress a prefix miss, a hit and a
 unique prompt on each replica, then the closed-loop capacity of the workload's mix of hits and
-unique prompts (`probe_workloads`). The rate is `LOAD` of that capacity, with each prefix's
-first miss spread over the run (`_arrival_rate`); it is thus relative to cache-aware's own
-capacity. At that load a policy that keeps
+unique prompts (`probe_workloads`). The rate is `--load` (default `LOAD`) of that capacity,
+with each prefix's first miss spread over the run (`_arrival_rate`); it is thus relative to
+cache-aware's own capacity. At that load a policy that keeps
 prefixes where they are cached keeps up, and one that recomputes them falls behind: the load
 at which routing decides TTFT. The engine's own prefill and decode rates are measured too (to
 calibrate `--simulate`, which runs the scorer on 16-256 simulated replicas: `cluster_sim`).
@@ -75,6 +75,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     config = WorkloadConfig(tenants=2 if options.quick else 4, private_docs=2,
                             token_range=(min(100, vocab // 2), min(49_000, vocab)))
     num_requests = options.requests or (10 if options.quick else 120)
+    load = options.load or LOAD
     sizing = make_workload(config, num_requests, 1.0, seed=0)  # arrivals aside, the same
     shape = subject.kv_shape()
     kv_blocks = int(sizing.distinct_prefix_tokens / 1.4 / shape.block_size) + 1
@@ -85,7 +86,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         url = f"http://127.0.0.1:{free_port()}"
         start_http("127.0.0.1", int(url.rsplit(":", 1)[1]))
         probe = _probe(options, url, config, kv_bytes, redis)
-        rate = _arrival_rate(config, probe, len(sizing.prefixes), num_requests)
+        rate = _arrival_rate(config, probe, len(sizing.prefixes), num_requests, load)
         workload = make_workload(config, num_requests, rate, seed=0)
         _progress_line(options, f"  probe: {probe}; arrival rate {rate:.2f} requests/s")
         for spec in _runs(options):
@@ -95,7 +96,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
             _progress(options, spec.name, results[spec.name])
     config_out = {"model": options.model, "quick": options.quick, "replicas": NUM_REPLICAS,
                   "threads_per_replica": options.threads, "max_num_seqs": MAX_NUM_SEQS,
-                  "requests": num_requests, "rate_per_s": rate, "load": LOAD, "probe": probe,
+                  "requests": num_requests, "rate_per_s": rate, "load": load, "probe": probe,
                   "workload": config.__dict__, "kv_blocks_per_replica": kv_blocks,
                   "distinct_prefix_tokens": workload.distinct_prefix_tokens,
                   "prefixes_over_replica_kv": workload.distinct_prefix_tokens /
@@ -115,8 +116,8 @@ def _runs(options: BenchOptions) -> tuple[Run, ...]:
 
 
 def _arrival_rate(config: WorkloadConfig, probe: dict[str, float], num_prefixes: int,
-                  num_requests: int) -> float:
-    """`LOAD` x the requests/s the cluster serves when each prefix is computed once: the
+                  num_requests: int, load: float = LOAD) -> float:
+    """`load` x the requests/s the cluster serves when each prefix is computed once: the
     probe's closed-loop capacity on the workload's mix of hits and unique prompts, with each
     prefix's first miss (its extra time, slowed down as much as the loaded cluster is slower
     than one request at a time) spread over the run."""
@@ -124,7 +125,7 @@ def _arrival_rate(config: WorkloadConfig, probe: dict[str, float], num_prefixes:
     alone = (1 - u) * probe["hit_s"] + u * probe["unique_s"]  # seconds per request, alone
     loaded = NUM_REPLICAS / probe["capacity_per_s"]  # replica-seconds per request, loaded
     miss = max(probe["miss_s"] - probe["hit_s"], 0.0) * loaded / alone
-    return LOAD / (1 / probe["capacity_per_s"] + num_prefixes * miss / NUM_REPLICAS /
+    return load / (1 / probe["capacity_per_s"] + num_prefixes * miss / NUM_REPLICAS /
                    num_requests)
 
 

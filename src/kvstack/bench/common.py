@@ -65,6 +65,7 @@ class BenchOptions:
     simulate: bool = False
     requests: int | None = None  # None: the case's default
     policies: tuple[str, ...] = ()  # cluster: which runs (empty: the case's default)
+    load: float | None = None  # cluster: arrival rate / probed capacity (None: the default)
     sim_replicas: tuple[int, ...] = ()
     sim_tenants: tuple[int, ...] = ()
 

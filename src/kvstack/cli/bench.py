@@ -7,7 +7,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from kvstack.argtypes import DEFAULT_MODEL, name_list, positive_int
+from kvstack.argtypes import DEFAULT_MODEL, name_list, positive_float, positive_int
 
 # name -> help; `all` runs them in this order. Each lives in kvstack.bench.<name> as
 # `run(subject, options) -> CaseResult`, imported only when run (transformers loads slowly).
@@ -115,6 +115,9 @@ def _cluster_flags() -> argparse.ArgumentParser:
                          "cache-aware, cache-aware+redis)")
     cluster.add_argument("--requests", type=positive_int, default=None, metavar="N",
                          help="requests in the trace (default 120; --simulate 100000)")
+    cluster.add_argument("--load", type=positive_float, default=None, metavar="X",
+                         help="arrival rate as a fraction of the cluster's probed capacity "
+                         "with every prefix computed once (default 0.8; above 1 overloads)")
     cluster.add_argument("--sim-replicas", type=positive_int, nargs="+", default=None,
                          metavar="N", help="--simulate: replica counts (default 16 64 256)")
     cluster.add_argument("--sim-tenants", type=positive_int, nargs="+", default=None,
@@ -144,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         simulate=getattr(args, "simulate", False),
         requests=getattr(args, "requests", None),
         policies=tuple(getattr(args, "policies", None) or ()),
+        load=getattr(args, "load", None),
         sim_replicas=tuple(getattr(args, "sim_replicas", None) or ()),
         sim_tenants=tuple(getattr(args, "sim_tenants", None) or ()),
     )
