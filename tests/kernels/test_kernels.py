@@ -175,6 +175,80 @@ def test_decode_attention_split_is_independent_of_threads_and_batch() -> None:
     torch.testing.assert_close(outs[0][0], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_store_is_the_storages_scheme(kv_dtype: str, dtype: torch.dtype) -> None:
+    """`store_kv_quant` (the C writer of int8 / fp8 caches, taken by every path that writes
+    one) against the scheme's PyTorch definition: Hadamard turn (as a matmul), max-abs scale
+    in float16, round to nearest even. Strided rows into scattered slots; untouched slots
+    stay zero. The turn's sums run in another order than the matmul's, so a code may differ
+    by one step where a value sits on a rounding tie."""
+    from kvstack.kv.storage.quantized import hadamard, quantize_rows
+
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, dim, rows = 3, 64, 29
+    qkv = torch.randn(rows, (2 + 2 * kv_heads) * dim, generator=gen)
+    qkv[:, 2 * dim + 5 :: dim] *= 12  # outlier channels, as real keys have
+    qkv[4] *= 1e-5  # a row whose scale hits the floor
+    qkv = qkv.to(dtype)
+    k = qkv[:, 2 * dim : (2 + kv_heads) * dim].view(rows, kv_heads, dim)
+    v = qkv[:, (2 + kv_heads) * dim :].view(rows, kv_heads, dim)
+    codes = torch.zeros(100, 2, kv_heads, dim, dtype=torch.int8 if kv_dtype == "int8"
+                        else torch.float8_e4m3fn)
+    scales = torch.zeros(100, 2, kv_heads, dtype=torch.float16)
+    slots = torch.randperm(100, generator=gen)[:rows]
+    kops.store_kv_quant(k, v, slots, codes, scales, rotate=True)
+    want, want_scale = quantize_rows(torch.stack((k, v), 1).float() @ hadamard(dim), kv_dtype)
+    got = codes[slots].view(torch.int8).int()
+    ref = want.view(torch.int8).int()
+    off = got != ref
+    assert off.float().mean() < 1e-3
+    if kv_dtype == "int8":
+        assert (got - ref).abs().max() <= 1
+    assert (scales[slots] == want_scale).float().mean() > 0.99
+    others = torch.ones(100, dtype=torch.bool)
+    others[slots] = False
+    assert not codes[others].view(torch.int8).any() and not scales[others].any()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize(("dtype", "dim"), [(torch.float32, 64), (torch.bfloat16, 64),
+                                            (torch.float32, 48)])
+def test_quantized_decode_attention_matches_sdpa_over_the_dequantized_cache(
+        kv_dtype: str, dtype: torch.dtype, dim: int) -> None:
+    """The decode kernel over int8 / fp8 codes (dequantized as it reads them; a head dim of
+    48 has no Hadamard turn) equals SDPA over the storage's own read-back, turned back to the
+    model's basis; chunks of 128 positions merge as for plain caches."""
+    from kvstack.config import ModelConfig
+    from kvstack.kv.storage.quantized import QuantizedKVStorage
+
+    gen = torch.Generator().manual_seed(13)
+    heads, kv_heads = 8, 2
+    shape = ModelConfig("LlamaForCausalLM", vocab_size=32, hidden_size=8, intermediate_size=16,
+                        num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                        max_model_len=512)
+    store = QuantizedKVStorage(shape, 25, 16, kv_dtype, dtype)
+    assert (store.basis is not None) == (dim == 64)
+    store.write(0, torch.arange(400), *(torch.randn(400, kv_heads, dim, generator=gen).to(dtype)
+                                        for _ in "kv"))
+    q = torch.randn(3, heads, dim, generator=gen).to(dtype)
+    lens = torch.tensor([1, 300, 37])
+    slots = torch.zeros(3, 300, dtype=torch.int64)
+    for b, n in enumerate(lens.tolist()):
+        slots[b, :n] = torch.randperm(400, generator=gen)[:n]
+    codes, scales = store.quantized_tensors(0)
+    out = kops.decode_attention_quant(q, codes, scales, store.basis is not None, slots, lens,
+                                      dim**-0.5)
+    basis = torch.eye(dim) if store.basis is None else store.basis.float()
+    for b, n in enumerate(lens.tolist()):
+        k, v = (x.float() @ basis.T for x in store.read(0, slots[b, :n]))
+        ref = F.scaled_dot_product_attention(
+            q[b, :, None].float()[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            enable_gqa=True)[0, :, 0]
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
+
+
 def test_status_names_the_instruction_set_built() -> None:
     flags = set(build._cpu_flags().split())
     expected = "avx512" if {"avx512f", "avx512bw"} <= flags else "avx2"
@@ -265,7 +339,9 @@ def test_store_kv_writes_strided_rows_into_their_slots(dtype: torch.dtype) -> No
 
 @pytest.mark.parametrize("kwargs", [{}, {"dtype": "bfloat16"}, {"quantization": "int8"},
                                     {"quantization": "gguf"},
-                                    {"quantization": "gguf", "dtype": "bfloat16"}])
+                                    {"quantization": "gguf", "dtype": "bfloat16"},
+                                    {"kv_cache_dtype": "int8"},
+                                    {"kv_cache_dtype": "fp8", "dtype": "bfloat16"}])
 def test_one_call_decode_step_matches_the_per_op_path(kwargs: dict[str, Any]) -> None:
     """Decode-only steps run all layers in one C call; steps with a prefill run layer by layer
     through the same kernels. Both must give the same logits, bit for bit. No prefix caching:

@@ -7,8 +7,9 @@ compares the KV bytes in use (blocks in use x allocated bytes per block) with `k
 estimate`'s figure for that many tokens (`KVShape`: they must be equal). The same request
 times decode with each dtype (one run each); the int8 vs float32 ratio comes from both engines
 loaded at once, taking turns for three rounds (best of each), so load from other jobs hits
-both alike. A window-mode run (float32, approximate) shows memory going flat once the window
-is full. Peak RSS is the process's high-water mark.
+both alike, at several context lengths (`DECODE_CONTEXTS`: short, the request's, long). A
+window-mode run (float32, approximate) shows memory going flat once the window is full. Peak
+RSS is the process's high-water mark.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ MIB = 1024**2
 _MAX_NUM_SEQS = 64
 
 
+# Prompt lengths of the int8 vs float32 KV decode comparison (full run; --quick: the first).
+DECODE_CONTEXTS = (40, 480, 2000)
+
+
 def sizes(quick: bool) -> tuple[int, int, int, int]:
     """(KV budget bytes, prompt tokens, new tokens, window tokens)."""
     return (64 * MIB, 40, 24, 20) if quick else (256 * MIB, 480, 128, 256)
@@ -55,13 +60,18 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
             bar.update(1)
         windowed = _measure(subject, budget, prompt, params, kv_window=window)
         bar.update(1)
-        decode = _decode_in_turns(subject, budget, prompt, params, ("float32", "int8"))
+        decode = {}
+        for length in DECODE_CONTEXTS[:1] if options.quick else DECODE_CONTEXTS:
+            if length + new_tokens <= subject.max_model_len:  # tiny models: fewer
+                decode[length] = _decode_in_turns(subject, budget,
+                                                  distinct_prompts(subject, 1, length)[0],
+                                                  params, ("float32", "int8"))
         bar.update(1)
     for r in runs.values():
         r["tokens_vs_float32"] = ratio(r["tokens_per_budget"], runs["float32"]["tokens_per_budget"])
         r["tokens_vs_bfloat16"] = ratio(r["tokens_per_budget"],
                                         runs["bfloat16"]["tokens_per_budget"])
-    speed = ratio(decode["int8"], decode["float32"])
+    speed = {n: ratio(d["int8"], d["float32"]) for n, d in decode.items()}
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     all_match = all(r["estimate_matches"] for r in runs.values())
     tokens = " / ".join(f"{r['tokens_per_budget']:,} {k}" for k, r in runs.items())
@@ -70,8 +80,9 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         f"(int8 {fmt_x(runs['int8']['tokens_vs_float32'])} float32, "
         f"{fmt_x(runs['int8']['tokens_vs_bfloat16'])} bfloat16) | bytes in use "
         f"{'=' if all_match else 'DIFFER FROM'} kvstack estimate at every token"
-        f" | decode int8 {fmt(decode['int8'])} vs float32 {fmt(decode['float32'])} tok/s "
-        f"({fmt_x(speed)}, {len(prompt)}-token prompt) | window {window}: flat at "
+        f" | decode int8 KV vs float32 KV: "
+        + ", ".join(f"{fmt_x(x)} ({n}-token prompt)" for n, x in speed.items())
+        + f" | window {window}: flat at "
         f"{format_bytes(max(windowed['curve']['measured']))}"
         f" | peak RSS {peak_rss:,.0f} MiB"
     )
@@ -86,7 +97,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
                  "int8_over_float32_decode": speed, "estimate_matches": all_match,
                  "peak_rss_mib": peak_rss},
         plots=[_plot(options, runs, windowed, budget)],
-        table=_table(runs, decode, speed, budget, len(prompt)),
+        table=_table(runs, decode, speed, budget),
     )
 
 
@@ -161,8 +172,8 @@ def _rss_mib() -> float:
     return 0.0
 
 
-def _table(runs: dict[str, dict[str, Any]], decode: dict[str, float | None],
-           speed: float | None, budget: int, prompt_len: int) -> list[TableRow]:
+def _table(runs: dict[str, dict[str, Any]], decode: dict[int, dict[str, float | None]],
+           speed: dict[int, float | None], budget: int) -> list[TableRow]:
     f32 = runs["float32"]
     rows = [
         TableRow(f"tokens in a {format_bytes(budget)} KV budget, {name} KV vs float32 KV",
@@ -170,8 +181,9 @@ def _table(runs: dict[str, dict[str, Any]], decode: dict[str, float | None],
                  fmt_x(r["tokens_vs_float32"]))
         for name, r in runs.items() if name != "float32"
     ]
-    rows.append(TableRow(f"decode tok/s, {prompt_len}-token prompt, int8 KV vs float32 KV",
-                         fmt(decode["int8"]), fmt(decode["float32"]), fmt_x(speed)))
+    rows += [TableRow(f"decode tok/s, {n}-token prompt, int8 KV vs float32 KV",
+                      fmt(d["int8"]), fmt(d["float32"]), fmt_x(speed[n]))
+             for n, d in decode.items()]
     return rows
 
 

@@ -28,7 +28,8 @@ from kvstack.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = ("gemv.c", "ops.c", "gguf.c", "gguf_x8.c")
-HEADERS = ("avx2.h",)  # included by the sources from their own folder; part of the cache key
+# included by the sources from their own folder; part of the cache key
+HEADERS = ("avx2.h", "half.h")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _ARCH = ("-march=native",)  # this CPU's instruction set picks the implementation
 _NAMES = {"avx512": "AVX-512", "avx2": "AVX2+FMA"}
@@ -48,6 +49,12 @@ _SIGNATURES = {
     "decode_step": [_P, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT],
     # q, k, v, slots, lens, seqs, max_ctx, heads, kv_heads, dim, scale, out, threads
     "decode_attention": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT],
+    # q, kv, kv_scale, fp8, rotate, slots, lens, seqs, max_ctx, heads, kv_heads, dim, scale,
+    # out, threads
+    "decode_attention_quant": [_P, _P, _P, _INT, _INT, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                               _F32, _P, _INT],
+    # k, v, rows, k_stride, v_stride, slots, kv, kv_scale, fp8, rotate, kv_heads, dim
+    "store_kv_quant": [_P, _P, _I64, _I64, _I64, _P, _P, _P, _INT, _INT, _I64, _I64],
 }
 _SUFFIXES = {"gemv": ("f32", "bf16", "i8", "q8", "bf16dp")}
 # Functions without dtype variants: name -> (argtypes, restype).
@@ -170,7 +177,8 @@ def load() -> ctypes.CDLL | None:
         for suffix in _SUFFIXES.get(base, ("f32", "bf16")):
             fn = getattr(lib, f"{base}_{suffix}")
             fn.argtypes = argtypes
-            fn.restype = ctypes.c_int if base in ("decode_step", "decode_attention") else None
+            fn.restype = ctypes.c_int if base in ("decode_step", "decode_attention",
+                                                 "decode_attention_quant") else None
     for name, (argtypes, restype) in _PLAIN.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype

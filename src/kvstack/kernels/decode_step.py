@@ -3,7 +3,8 @@
 At one token per sequence per step the per-layer Python (ten kernel calls, views and small
 allocations per layer) costs milliseconds per token next to ~10-20 ms of weight streaming; this
 hands the C side a table of every layer's weights and cache tensors, built once per KV storage,
-and runs all layers for steps where every row is a decode over a plain (fp32/bf16) cache.
+and runs all layers for steps where every row is a decode over a plain cache (the model's
+dtype) or an int8 / fp8 one (`kv/storage/quantized.py`: codes quantized and read in C).
 Weights are dense (`Linear`: fp32, bf16, int8) or a GGUF file's blocks (`GGUFLinear`, run by
 `gguf_gemv`, or `gguf_gemv_x8` for blocks repacked 8 rows at a time). The kernels, their order
 and their roundings are those of the per-op path, so both give the same numbers.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -35,14 +37,34 @@ class _Lin(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("kv_scale", ctypes.c_void_p)]
 
 
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
                 ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
                 ("inter", ctypes.c_int64), ("num_layers", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("kv_kind", ctypes.c_int64), ("rotate", ctypes.c_int64)]
+
+
+@dataclass(frozen=True)
+class StepCaches:
+    """What the step reads and writes per layer: a plain cache's (K, V) tensors [slots, H_kv,
+    D] in the model's dtype, or a quantized one's (codes [slots, 2, H_kv, D], float16 scales
+    [slots, 2, H_kv]) with `rotate` when stored in the Hadamard basis."""
+
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    quantized: bool = False
+    rotate: bool = False
+
+    @property
+    def kv_kind(self) -> int:
+        """ops.c's Dims.kv_kind: 0 plain, 1 int8 codes, 2 e4m3 codes."""
+        if not self.quantized:
+            return 0
+        return 1 if self.layers[0][0].dtype == torch.int8 else 2
 
 
 class LayerWeights(Protocol):
@@ -76,26 +98,30 @@ def _lin(lin: Linear | GGUFLinear) -> _Lin:
 class DecodeStep:
     """Runs all layers of decode-only steps over one KV storage's per-layer tensors."""
 
-    def __init__(self, layers: Sequence[LayerWeights], caches: Sequence[tuple[torch.Tensor,
-                 torch.Tensor]], dtype: torch.dtype, hidden: int, heads: int, kv_heads: int,
-                 head_dim: int, inter: int, eps: float) -> None:
+    def __init__(self, layers: Sequence[LayerWeights], caches: StepCaches, dtype: torch.dtype,
+                 hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
+                 eps: float) -> None:
         lib = build.load()
         assert lib is not None and dtype in _SUFFIX
         self._fn = getattr(lib, f"decode_step_{_SUFFIX[dtype]}")
         self.dtype = dtype
         self.hidden = hidden
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), eps,
-                           head_dim**-0.5)
+                           head_dim**-0.5, caches.kv_kind, int(caches.rotate))
         table = (_Layer * len(layers))()
-        for entry, layer, (k_cache, v_cache) in zip(table, layers, caches, strict=True):
+        for entry, layer, (first, second) in zip(table, layers, caches.layers, strict=True):
             entry.qkv, entry.o = _lin(layer.qkv), _lin(layer.o)
             entry.gate_up, entry.down = _lin(layer.gate_up), _lin(layer.down)
             entry.input_norm, entry.post_norm = (layer.input_norm.data_ptr(),
                                                  layer.post_norm.data_ptr())
-            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            entry.k_cache = first.data_ptr()
+            if caches.quantized:  # codes, then their scales
+                entry.kv_scale = second.data_ptr()
+            else:
+                entry.v_cache = second.data_ptr()
         self._table = table
         # The table holds raw pointers: keep what they point into alive.
-        self._keep = (list(layers), list(caches))
+        self._keep = (list(layers), list(caches.layers))
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  slot_mapping: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor

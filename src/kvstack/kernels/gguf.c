@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
+
 /* ggml type ids (GGMLQuantizationType). */
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
@@ -58,24 +60,7 @@ static int64_t block_bytes(int type) {
 static inline float fp16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    uint32_t u;
-    if (e == 0x1f) {
-        u = sign | 0x7f800000u | (m << 13); /* inf, nan */
-    } else if (e) {
-        u = sign | ((e + 112) << 23) | (m << 13);
-    } else { /* zero, subnormal: m * 2^-24 */
-        float f = (float)m * 5.9604644775390625e-8f;
-        memcpy(&u, &f, 4);
-        u |= sign;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-#endif
+    return f16_to_f32(h);
 }
 
 /* Q4_K's 8 pairs of 6-bit (scale, min), packed in 12 bytes:

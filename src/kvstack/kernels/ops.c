@@ -4,6 +4,7 @@
  * where the reference rounds). Row-major, contiguous unless a stride is given.
  */
 #include "avx2.h"
+#include "half.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,6 +31,55 @@ static inline float get_f32(const float *p, int64_t i) { return p[i]; }
 static inline float get_bf16(const uint16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
 static inline void put_f32(float *p, int64_t i, float v) { p[i] = v; }
 static inline void put_bf16(uint16_t *p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+/* Quantized K/V elements (kv/storage/quantized.py): int8 codes, and float8 e4m3 codes read as
+ * value / 256 (moved up 7 bits, bit 14 cleared, an e4m3 code is the fp16 of value / 2^8,
+ * subnormals included; the caller multiplies the row's scale by 256 instead). */
+static inline float get_i8(const int8_t *p, int64_t i) { return (float)p[i]; }
+static inline float get_f8(const uint8_t *p, int64_t i) {
+    return f16_to_f32((uint16_t)(((int16_t)(int8_t)p[i] * 128) & 0xBF80));
+}
+#if defined(__AVX2__)
+static inline __m256 load8_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256 load8_f8(const uint8_t *p) {
+#if defined(__F16C__)
+    const __m128i w = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
+    return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xBF80)));
+#else
+    return _mm256_setr_ps(get_f8(p, 0), get_f8(p, 1), get_f8(p, 2), get_f8(p, 3), get_f8(p, 4),
+                          get_f8(p, 5), get_f8(p, 6), get_f8(p, 7));
+#endif
+}
+#endif
+
+/* float -> e4m3 code, rounded to nearest even; |x| <= 448 (the caller clamps). */
+static inline uint8_t f32_to_e4m3(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    const float a = fabsf(x);
+    if (a < 0.015625f) /* below 2^-6: subnormal, steps of 2^-9 (8 is the smallest normal) */
+        return sign | (uint8_t)nearbyintf(a * 512.0f);
+    memcpy(&u, &a, 4);
+    u += 0x7ffffu + ((u >> 20) & 1u); /* drop 20 mantissa bits, ties to even */
+    return sign | (uint8_t)((u - (120u << 23)) >> 20); /* exponent bias 127 -> 7 */
+}
+
+/* x[0..n) = x B with B the normalized Walsh-Hadamard matrix (n a power of two; symmetric and
+ * orthonormal, so it is its own inverse): the basis quantized K/V are stored in. */
+static void hadamard(float *x, int64_t n) {
+    for (int64_t len = 1; len < n; len <<= 1)
+        for (int64_t i = 0; i < n; i += 2 * len)
+            for (int64_t j = i; j < i + len; j++) {
+                const float a = x[j], b = x[j + len];
+                x[j] = a + b;
+                x[j + len] = a - b;
+            }
+    const float norm = 1.0f / sqrtf((float)n);
+    for (int64_t i = 0; i < n; i++) x[i] *= norm;
+}
 
 /* ---- attention's inner loops: AVX2 + FMA where the target has it, else plain C ---------- */
 #if defined(__AVX2__) && defined(__FMA__)
@@ -121,6 +171,8 @@ static inline float exp_sum(float *s, int64_t n, float mx) {
 #endif
 DEFINE_HEAD_LOOPS(f32, float)
 DEFINE_HEAD_LOOPS(bf16, uint16_t)
+DEFINE_HEAD_LOOPS(i8, int8_t)
+DEFINE_HEAD_LOOPS(f8, uint8_t)
 
 /* out = w * round(x * rsqrt(mean(x^2) + eps)), as the reference's RMSNorm; with `res`, first
  * x = round(x + res) in place (the residual add before the norm). */
@@ -202,11 +254,18 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)p + at);
 }
 
-#define DEFINE_DECODE_ATTN(SUF, T)                                                            \
-    int decode_attention_##SUF(const T *q, const T *k, const T *v, const int64_t *slots,     \
-                               const int64_t *lens, int64_t seqs, int64_t max_ctx,           \
-                               int64_t heads, int64_t kv_heads, int64_t dim, float scale,     \
-                               T *out, int threads) {                                        \
+/* The loop over (sequence, kv head, chunk) units and the merge, for q/out of type T and cache
+ * elements of type KT: row r of the cache (r = slot * slot_rows + kv head) is k + r * dim and
+ * v + r * dim. Quantized caches give each row a float16 scale (ks[r], vs[r], times `unit`);
+ * plain ones pass NULL (scale 1: the products are unchanged). With `rotate`, K/V are stored in
+ * the Hadamard basis: the kernel turns each query into it and each output back. */
+#define DEFINE_ATTEND(SUF, T, KSUF, KT)                                                       \
+    static int attend_##SUF##_##KSUF(const T *q, const KT *k, const KT *v, const uint16_t *ks, \
+                                     const uint16_t *vs, float unit, int rotate,             \
+                                     int64_t slot_rows, const int64_t *slots,                \
+                                     const int64_t *lens, int64_t seqs, int64_t max_ctx,      \
+                                     int64_t heads, int64_t kv_heads, int64_t dim,            \
+                                     float scale, T *out, int threads) {                     \
         const int64_t group = heads / kv_heads, width = dim + 2;                             \
         const int64_t chunks = (max_ctx + ATTN_CHUNK - 1) / ATTN_CHUNK;                      \
         const int64_t units = seqs * kv_heads * chunks;                                      \
@@ -225,29 +284,36 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
                 const int64_t *sl = slots + b * max_ctx;                                     \
                 float qv[group * dim], sc[group * ATTN_CHUNK];                               \
                 const T *qb = q + (b * heads + g * group) * dim;                             \
-                for (int64_t i = 0; i < group * dim; i++) qv[i] = get_##SUF(qb, i) * scale;  \
+                for (int64_t i = 0; i < group * dim; i++) qv[i] = get_##SUF(qb, i);          \
+                if (rotate)                                                                  \
+                    for (int64_t h = 0; h < group; h++) hadamard(qv + h * dim, dim);         \
+                for (int64_t i = 0; i < group * dim; i++) qv[i] *= scale;                    \
                 for (int64_t j = lo; j < hi; j++) {                                          \
-                    const T *kr = k + (sl[j] * kv_heads + g) * dim;                          \
+                    const int64_t r = sl[j] * slot_rows + g;                                 \
+                    const KT *kr = k + r * dim;                                              \
+                    const float s = ks ? f16_to_f32(ks[r]) * unit : 1.0f;                    \
                     if (j + ATTN_AHEAD < hi)                                                 \
-                        prefetch_row(k + (sl[j + ATTN_AHEAD] * kv_heads + g) * dim,          \
-                                     dim * sizeof(T));                                       \
-                    prefetch_row(v + (sl[j] * kv_heads + g) * dim, dim * sizeof(T));         \
+                        prefetch_row(k + (sl[j + ATTN_AHEAD] * slot_rows + g) * dim,         \
+                                     dim * sizeof(KT));                                      \
+                    prefetch_row(v + r * dim, dim * sizeof(KT));                             \
                     for (int64_t h = 0; h < group; h++)                                      \
-                        sc[h * ATTN_CHUNK + j - lo] = head_dot_##SUF(qv + h * dim, kr, dim);   \
+                        sc[h * ATTN_CHUNK + j - lo] = head_dot_##KSUF(qv + h * dim, kr, dim) * s; \
                 }                                                                            \
                 for (int64_t h = 0; h < group; h++) {                                        \
-                    float *s = sc + h * ATTN_CHUNK, *acc = pu + h * width;                   \
+                    float *sh = sc + h * ATTN_CHUNK, *acc = pu + h * width;                  \
                     float mx = -INFINITY;                                                    \
-                    for (int64_t j = 0; j < hi - lo; j++) mx = s[j] > mx ? s[j] : mx;        \
-                    const float sum = exp_sum(s, hi - lo, mx);                               \
+                    for (int64_t j = 0; j < hi - lo; j++) mx = sh[j] > mx ? sh[j] : mx;      \
+                    const float sum = exp_sum(sh, hi - lo, mx);                              \
                     for (int64_t i = 0; i < dim; i++) acc[i] = 0.f;                          \
                     acc[dim] = mx;                                                           \
                     acc[dim + 1] = sum;                                                      \
                 }                                                                            \
                 for (int64_t j = lo; j < hi; j++) {                                          \
-                    const T *vr = v + (sl[j] * kv_heads + g) * dim;                          \
+                    const int64_t r = sl[j] * slot_rows + g;                                 \
+                    const KT *vr = v + r * dim;                                              \
+                    const float s = vs ? f16_to_f32(vs[r]) * unit : 1.0f;                    \
                     for (int64_t h = 0; h < group; h++)                                      \
-                        head_axpy_##SUF(pu + h * width, sc[h * ATTN_CHUNK + j - lo], vr, dim); \
+                        head_axpy_##KSUF(pu + h * width, sc[h * ATTN_CHUNK + j - lo] * s, vr, dim); \
                 }                                                                            \
             }                                                                                \
             /* merge a head's chunks: weights exp(max_c - max), in chunk order */             \
@@ -268,11 +334,44 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
                     for (int64_t i = 0; i < dim; i++) acc[i] += w * pc[i];                   \
                 }                                                                            \
                 const float inv = 1.0f / sum;                                                \
-                for (int64_t i = 0; i < dim; i++) put_##SUF(o, i, acc[i] * inv);             \
+                for (int64_t i = 0; i < dim; i++) acc[i] *= inv;                             \
+                if (rotate) hadamard(acc, dim);                                              \
+                for (int64_t i = 0; i < dim; i++) put_##SUF(o, i, acc[i]);                   \
             }                                                                                \
         }                                                                                    \
         free(part);                                                                          \
         return 0;                                                                            \
+    }
+
+/* Over a plain cache: k, v [slots, kv_heads, dim] of q's dtype. */
+#define DEFINE_DECODE_ATTN(SUF, T)                                                            \
+    DEFINE_ATTEND(SUF, T, SUF, T)                                                            \
+    DEFINE_ATTEND(SUF, T, i8, int8_t)                                                        \
+    DEFINE_ATTEND(SUF, T, f8, uint8_t)                                                       \
+    int decode_attention_##SUF(const T *q, const T *k, const T *v, const int64_t *slots,     \
+                               const int64_t *lens, int64_t seqs, int64_t max_ctx,           \
+                               int64_t heads, int64_t kv_heads, int64_t dim, float scale,     \
+                               T *out, int threads) {                                        \
+        return attend_##SUF##_##SUF(q, k, v, NULL, NULL, 1.0f, 0, kv_heads, slots, lens,     \
+                                    seqs, max_ctx, heads, kv_heads, dim, scale, out,         \
+                                    threads);                                                \
+    }                                                                                        \
+    /* Over a quantized cache (kv/storage/quantized.py): kv [slots, 2 (k, v), kv_heads, dim] \
+     * int8 (fp8 = 0) or e4m3 (fp8 = 1) codes, kv_scale [slots, 2, kv_heads] float16. */      \
+    int decode_attention_quant_##SUF(const T *q, const void *kv, const uint16_t *kv_scale,   \
+                                     int fp8, int rotate, const int64_t *slots,              \
+                                     const int64_t *lens, int64_t seqs, int64_t max_ctx,      \
+                                     int64_t heads, int64_t kv_heads, int64_t dim,            \
+                                     float scale, T *out, int threads) {                     \
+        if (fp8)                                                                             \
+            return attend_##SUF##_f8(q, (const uint8_t *)kv, (const uint8_t *)kv + kv_heads * dim, \
+                                     kv_scale, kv_scale + kv_heads, 256.0f, rotate,          \
+                                     2 * kv_heads, slots, lens, seqs, max_ctx, heads,        \
+                                     kv_heads, dim, scale, out, threads);                    \
+        return attend_##SUF##_i8(q, (const int8_t *)kv, (const int8_t *)kv + kv_heads * dim,  \
+                                 kv_scale, kv_scale + kv_heads, 1.0f, rotate, 2 * kv_heads,  \
+                                 slots, lens, seqs, max_ctx, heads, kv_heads, dim, scale,    \
+                                 out, threads);                                              \
     }
 
 DEFINE_NORM(f32, float)
@@ -295,11 +394,54 @@ DEFINE_DECODE_ATTN(bf16, uint16_t)
         }                                                                                    \
     }
 
+/* The same into a quantized cache (kv [slots, 2, kv_heads, dim] int8 or e4m3 codes, kv_scale
+ * [slots, 2, kv_heads] float16; kv/storage/quantized.py has the scheme): each (token, k or v,
+ * head) row is turned into the Hadamard basis (with `rotate`), scaled by max |x| / QMAX
+ * (float16, at least 2^-14) and rounded to nearest even; k and v rows are `k_stride` and
+ * `v_stride` elements apart. */
+#define KV_MIN_SCALE 6.103515625e-05f /* 2^-14, kv/storage/quantized.py's MIN_SCALE */
+#define DEFINE_STORE_KV_QUANT(SUF, T)                                                         \
+    void store_kv_quant_##SUF(const T *k, const T *v, int64_t rows, int64_t k_stride,        \
+                              int64_t v_stride, const int64_t *slots, void *kv,              \
+                              uint16_t *kv_scale, int fp8, int rotate, int64_t kv_heads,      \
+                              int64_t dim) {                                                 \
+        const float qmax = fp8 ? 448.0f : 127.0f;                                            \
+        float y[dim];                                                                        \
+        for (int64_t r = 0; r < rows; r++)                                                   \
+            for (int64_t t = 0; t < 2; t++)                                                  \
+                for (int64_t h = 0; h < kv_heads; h++) {                                     \
+                    const T *x = (t ? v + r * v_stride : k + r * k_stride) + h * dim;        \
+                    for (int64_t i = 0; i < dim; i++) y[i] = get_##SUF(x, i);                \
+                    if (rotate) hadamard(y, dim);                                            \
+                    float amax = 0.f;                                                        \
+                    for (int64_t i = 0; i < dim; i++) amax = fmaxf(amax, fabsf(y[i]));       \
+                    float s = amax * (1.0f / qmax);                                          \
+                    s = s < KV_MIN_SCALE ? KV_MIN_SCALE : s;                                 \
+                    const int64_t row = (slots[r] * 2 + t) * kv_heads + h;                   \
+                    kv_scale[row] = f32_to_f16(s);                                           \
+                    const float sf = f16_to_f32(kv_scale[row]);                              \
+                    if (fp8) {                                                               \
+                        uint8_t *dst = (uint8_t *)kv + row * dim;                            \
+                        for (int64_t i = 0; i < dim; i++) {                                  \
+                            const float z = y[i] / sf;                                       \
+                            dst[i] = f32_to_e4m3(z > 448.f ? 448.f : z < -448.f ? -448.f : z); \
+                        }                                                                    \
+                    } else {                                                                 \
+                        /* |y / sf| <= 127 (1 + 2^-11) < 127.5: no clamp needed */             \
+                        int8_t *dst = (int8_t *)kv + row * dim;                              \
+                        for (int64_t i = 0; i < dim; i++) dst[i] = (int8_t)nearbyintf(y[i] / sf); \
+                    }                                                                        \
+                }                                                                            \
+    }
+
 DEFINE_STORE_KV(f32, float)
 DEFINE_STORE_KV(bf16, uint16_t)
+DEFINE_STORE_KV_QUANT(f32, float)
+DEFINE_STORE_KV_QUANT(bf16, uint16_t)
 
 /* ---- a whole decode step in one call ------------------------------------------------------
- * For steps whose every row is one sequence's next token over a plain (fp32/bf16) paged cache:
+ * For steps whose every row is one sequence's next token over a paged cache (the model's dtype,
+ * or int8 / fp8 codes with their scales):
  * the same kernels as the per-op path above, in the same order and with the same roundings,
  * driven from C so the step costs one call instead of ~10 per layer. Buffers between the
  * kernels are T (the model dtype); matrix products take and give fp32 and are rounded to T
@@ -339,12 +481,16 @@ typedef struct {
 typedef struct {
     Lin qkv, o, gate_up, down;
     const void *input_norm, *post_norm; /* T [hidden] */
-    void *k_cache, *v_cache;            /* T [slots, kv_heads, head_dim] */
+    void *k_cache, *v_cache;            /* T [slots, kv_heads, head_dim]; quantized (kv_kind):
+                                           k_cache is the codes, v_cache unused */
+    uint16_t *kv_scale;                 /* quantized: float16 [slots, 2, kv_heads]; else NULL */
 } Layer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, num_layers;
     float eps, scale;
+    int64_t kv_kind; /* 0: the model dtype, 1: int8 codes, 2: e4m3 codes */
+    int64_t rotate;  /* quantized K/V stored in the Hadamard basis */
 } Dims;
 
 static gemv_fn pick(int64_t kind) {
@@ -401,13 +547,25 @@ static gemv_fn pick(int64_t kind) {
             ok = linear_##SUF(&L->qkv, x, rows, x32, y32, qkv, threads);                     \
             if (!ok) break;                                                                  \
             rope_##SUF(qkv, rows, qkv_n, d->heads + d->kv_heads, d->head_dim, cos, sin);     \
-            store_kv_##SUF(qkv + qd, qkv + qd + kvd, rows, qkv_n, slot_mapping, L->k_cache,  \
-                           L->v_cache, kvd);                                                 \
             for (int64_t r = 0; r < rows; r++)                                               \
                 memcpy(q + r * qd, qkv + r * qkv_n, sizeof(T) * qd);                         \
-            ok = !decode_attention_##SUF(q, L->k_cache, L->v_cache, slots, lens, rows,       \
-                                         max_ctx, d->heads, d->kv_heads, d->head_dim,        \
-                                         d->scale, attn, threads);                           \
+            if (d->kv_kind) {                                                                \
+                store_kv_quant_##SUF(qkv + qd, qkv + qd + kvd, rows, qkv_n, qkv_n,           \
+                                     slot_mapping, L->k_cache, L->kv_scale,                  \
+                                     d->kv_kind == 2, (int)d->rotate, d->kv_heads,           \
+                                     d->head_dim);                                           \
+                ok = !decode_attention_quant_##SUF(q, L->k_cache, L->kv_scale,               \
+                                                   d->kv_kind == 2, (int)d->rotate, slots,   \
+                                                   lens, rows, max_ctx, d->heads,            \
+                                                   d->kv_heads, d->head_dim, d->scale, attn, \
+                                                   threads);                                 \
+            } else {                                                                         \
+                store_kv_##SUF(qkv + qd, qkv + qd + kvd, rows, qkv_n, slot_mapping,          \
+                               L->k_cache, L->v_cache, kvd);                                 \
+                ok = !decode_attention_##SUF(q, L->k_cache, L->v_cache, slots, lens, rows,   \
+                                             max_ctx, d->heads, d->kv_heads, d->head_dim,    \
+                                             d->scale, attn, threads);                       \
+            }                                                                                \
             if (!ok) break;                                                                  \
             ok = linear_##SUF(&L->o, attn, rows, x32, y32, y, threads);                      \
             if (!ok) break;                                                                  \

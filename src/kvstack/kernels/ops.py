@@ -77,3 +77,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if rc:
         raise MemoryError("decode attention: no memory for its per-chunk partial results")
     return out
+
+
+def store_kv_quant(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
+                   kv_scale: torch.Tensor, rotate: bool) -> None:
+    """Quantize k, v [T, H_kv, D] (rows may be strided, inner dims contiguous) into their slots
+    of a quantized cache: kv [slots, 2, H_kv, D] int8 or float8_e4m3fn codes, kv_scale [slots,
+    2, H_kv] float16 (`kv/storage/quantized.py`'s scheme; `rotate`: in the Hadamard basis)."""
+    rows, kv_heads, dim = k.shape
+    assert k.stride()[1:] == (dim, 1) and v.stride()[1:] == (dim, 1)
+    slots = slots.to(torch.int64).contiguous()
+    _fn("store_kv_quant", k.dtype)(
+        k.data_ptr(), v.data_ptr(), rows, k.stride(0), v.stride(0), slots.data_ptr(),
+        kv.data_ptr(), kv_scale.data_ptr(), int(kv.dtype != torch.int8), int(rotate), kv_heads,
+        dim)
+
+
+def decode_attention_quant(q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor,
+                           rotate: bool, slots: torch.Tensor, lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """`decode_attention` over a quantized cache (kv, kv_scale as in `store_kv_quant`): q and
+    the output in the model's basis (the kernel turns them into and out of the cache's)."""
+    seqs, heads, dim = q.shape
+    out = torch.empty_like(q)
+    rc = _fn("decode_attention_quant", q.dtype)(
+        q.data_ptr(), kv.data_ptr(), kv_scale.data_ptr(), int(kv.dtype != torch.int8),
+        int(rotate), slots.data_ptr(), lens.data_ptr(), seqs, slots.shape[1], heads,
+        kv.shape[2], dim, scale, out.data_ptr(), torch.get_num_threads(),
+    )
+    if rc:
+        raise MemoryError("decode attention: no memory for its per-chunk partial results")
+    return out

@@ -93,12 +93,19 @@ def paged_attention(
         for window_span in meta.window:
             window_attention(layer, q, out, window_span, kv_storage)
         return out
-    if kv_storage is not None and kv_storage.basis is not None:
-        # K/V come back in the storage's orthonormal basis: meet them there (every span
-        # reads them back, the cache being lossy), then turn the output back.
-        return _attend(layer, q @ kv_storage.basis, k, v, meta, kv_storage, window,
-                       scale) @ kv_storage.basis.T
-    return _attend(layer, q, k, v, meta, kv_storage, window, scale)
+    if kv_storage is None or kv_storage.basis is None:
+        return _attend(layer, q, k, v, meta, kv_storage, window, scale, out)
+    # K/V come back in the storage's orthonormal basis: meet them there (every span reads
+    # them back, the cache being lossy), then turn the output back. The C decode kernel does
+    # both turns itself, so a step of decodes only needs no product here.
+    decoded = _decode_kernel(layer, q, out, meta, kv_storage, window, scale)
+    if decoded and not meta.prefills:
+        return out
+    turned = _attend(layer, q @ kv_storage.basis, k, v, meta, kv_storage, window, scale,
+                     torch.empty_like(q), decodes=not decoded) @ kv_storage.basis.T
+    if decoded:
+        turned[meta.decode_rows] = out[meta.decode_rows]
+    return turned
 
 
 def _attend(
@@ -110,9 +117,12 @@ def _attend(
     kv_storage: KVCacheStorage | None,
     window: int | None,
     scale: float | None,
+    out: torch.Tensor,
+    decodes: bool = True,
 ) -> torch.Tensor:
-    out = torch.empty_like(q)
-    if meta.decode_rows is not None:
+    """Fills `out` (and returns it): the decode rows (unless `decodes` is False: done
+    already) and every prefill span."""
+    if decodes and meta.decode_rows is not None:
         assert kv_storage is not None
         if not _decode_kernel(layer, q, out, meta, kv_storage, window, scale):
             slots, mask = _decode_window(meta, window)
@@ -208,23 +218,29 @@ def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: Attenti
                    kv_storage: KVCacheStorage, window: int | None = None,
                    scale: float | None = None) -> bool:
     """Decode rows through the C kernel, reading K/V slots in place (no gathered copy of the
-    context per step); a window layer gets each row's last `window` slots. False where it
-    does not apply (lossy storage, kernels off)."""
-    tensors = kv_storage.layer_tensors(layer)
-    if (not meta.use_kernels or meta.decode_lens is None or tensors is None
+    context per step); a window layer gets each row's last `window` slots. Plain caches of
+    q's dtype and int8 / fp8 ones (dequantized in the kernel); False where it does not apply
+    (other storages, kernels off)."""
+    if (not meta.use_kernels or meta.decode_lens is None
             or not kernel_ops.available(q.dtype)):
         return False
-    k_cache, v_cache = tensors
-    if k_cache.dtype != q.dtype:
+    tensors = kv_storage.layer_tensors(layer)
+    quantized = kv_storage.quantized_tensors(layer)
+    if not (tensors is not None and tensors[0].dtype == q.dtype or quantized is not None):
         return False
     rows = meta.decode_rows
     only_decodes = not meta.prefills and rows.numel() == q.shape[0]
-    qd = q if only_decodes else q[rows]
+    qd = (q if only_decodes else q[rows]).contiguous()
     slots, lens = meta.decode_slots, meta.decode_lens
     if window is not None:
         slots, lens = _window_slots(meta, window)
-    od = kernel_ops.decode_attention(qd.contiguous(), k_cache, v_cache, slots, lens,
-                                     q.shape[-1] ** -0.5 if scale is None else scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if quantized is not None:  # q and the output in the model's basis: the kernel turns them
+        od = kernel_ops.decode_attention_quant(qd, *quantized, kv_storage.basis is not None,
+                                               slots, lens, scale)
+    else:
+        assert tensors is not None
+        od = kernel_ops.decode_attention(qd, *tensors, slots, lens, scale)
     if only_decodes:
         out.copy_(od)
     else:

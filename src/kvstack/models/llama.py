@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kvstack.config import ModelConfig
 from kvstack.errors import ModelLoadError, UnsupportedModelError
 from kvstack.kernels import ops as kernel_ops
-from kvstack.kernels.decode_step import DecodeStep, runs_in_decode_step
+from kvstack.kernels.decode_step import DecodeStep, StepCaches, runs_in_decode_step
 from kvstack.kernels.gguf import GGUFLinear
 from kvstack.kernels.linear import Linear
 from kvstack.kv.storage.base import KVCacheStorage
@@ -169,20 +169,20 @@ class LlamaForCausalLM:
 
     def _decode_step(self, kv_storage: KVCacheStorage | None) -> DecodeStep | None:
         """The one-call decode step over this storage, built on first use; None where the
-        cache is lossy or a weight has no kernel there (kernels off, or unfused GGUF parts)."""
+        cache has no kernel (a cast float cache, int4) or a weight has none (kernels off, or
+        unfused GGUF parts)."""
         if kv_storage is None:
             return None
         if self._step_for is not kv_storage:
-            caches = [kv_storage.layer_tensors(i) for i in range(self.config.num_layers)]
+            caches = _step_caches(kv_storage, self.config.num_layers, self.dtype)
             linears = [lin for layer in self.layers
                        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            usable = all(t is not None and t[0].dtype == self.dtype for t in caches) and all(
-                runs_in_decode_step(lin) for lin in linears)
+            usable = all(runs_in_decode_step(lin) for lin in linears)
             c = self.config
             self._step = DecodeStep(
                 self.layers, caches, self.dtype, c.hidden_size, c.num_heads, c.num_kv_heads,
                 c.head_dim, c.intermediate_size, c.rms_norm_eps,
-            ) if usable else None
+            ) if caches is not None and usable else None
             self._step_for = kv_storage
         return self._step
 
@@ -270,6 +270,20 @@ def _decodes_only(meta: AttentionMetadata, num_rows: int) -> bool:
     rows = meta.decode_rows
     return (rows is not None and not meta.prefills and rows.numel() == num_rows
             and meta.decode_lens is not None and meta.slot_mapping is not None)
+
+
+def _step_caches(kv_storage: KVCacheStorage, num_layers: int, dtype: torch.dtype
+                 ) -> StepCaches | None:
+    """The one-call step's view of the cache: plain tensors in the model's dtype, or int8 /
+    fp8 codes and scales; None for anything else (a cast float cache, int4)."""
+    plain = [kv_storage.layer_tensors(i) for i in range(num_layers)]
+    if all(t is not None and t[0].dtype == dtype for t in plain):
+        return StepCaches([t for t in plain if t is not None])
+    quantized = [kv_storage.quantized_tensors(i) for i in range(num_layers)]
+    if all(t is not None for t in quantized):
+        return StepCaches([t for t in quantized if t is not None], quantized=True,
+                          rotate=kv_storage.basis is not None)
+    return None
 
 
 def _nbytes(t: torch.Tensor) -> int:

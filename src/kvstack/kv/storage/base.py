@@ -69,6 +69,11 @@ class KVCacheStorage:
         place; None when what is stored is not what `read` returns (lossy storage)."""
         return None if self.lossy else (self.k[layer], self.v[layer])
 
+    def quantized_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A quantized storage's (codes [slots, 2, H_kv, D], float16 scales [slots, 2, H_kv])
+        of this layer, for the kernels (`kv/storage/quantized.py`); None for other storages."""
+        return None
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this storage allocated."""
         return [*self.k, *self.v]

@@ -14,6 +14,12 @@ of q.k with only 3 mantissa bits); rotated, the energy spreads over all channels
 embedded model (4,096 held-out tokens) it takes the perplexity increase of fp8 from 1.10% to
 0.33%, and int8's greedy agreement with the float32 cache from 45% to ~70% of tokens. The
 rotation costs attention two [D, D] products on queries and outputs, not one per cached token.
+
+With the C kernels built, every write goes through `store_kv_quant` (`kernels/ops.c`: the same
+scheme, the rotation as a fast Walsh-Hadamard transform), whichever path the step takes, so a
+token's codes never depend on how its step was batched; decode attention reads the codes in
+place (`decode_attention_quant`, also inside the one-call decode step) and prefill reads them
+back through `read`. The PyTorch code below is the scheme's definition and the fallback.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from kvstack.config import ModelConfig
+from kvstack.kernels import ops as kernel_ops
 from kvstack.kv.storage.base import KVCacheStorage, gather
 
 # Below this a float16 scale goes subnormal and loses precision; rows that small (|x| < 8e-3)
@@ -97,10 +104,19 @@ class QuantizedKVStorage(KVCacheStorage):
     def layer_tensors(self, layer: int) -> None:
         return None
 
+    def quantized_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[layer], self.scale[layer]
+
     def tensors(self) -> list[torch.Tensor]:
         return [*self.kv, *self.scale]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if _kernel_writes(k, v, self.compute_dtype):
+            # One C call (`ops.c`: store_kv_quant), whichever path the step takes: prefill,
+            # the per-op decode and the one-call decode step store the same codes.
+            kernel_ops.store_kv_quant(k, v, slots, self.kv[layer], self.scale[layer],
+                                      self.basis is not None)
+            return
         x = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
         q, scale = quantize_rows(x if self.basis is None else x @ self.basis, self.kv_dtype)
         # Through int8 views: CPU index ops do not take float8 tensors.
@@ -116,3 +132,10 @@ class QuantizedKVStorage(KVCacheStorage):
         # Per layer: K/V codes, then their scales.
         start, end = block_id * self.block_size, (block_id + 1) * self.block_size
         return [t[start:end] for pair in zip(self.kv, self.scale, strict=True) for t in pair]
+
+
+def _kernel_writes(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `store_kv_quant` takes these rows: the C kernels are built for this dtype and
+    each row's [H_kv, D] is contiguous."""
+    return (k.dtype == v.dtype == dtype and kernel_ops.available(dtype)
+            and k.stride()[1:] == (k.shape[2], 1) and v.stride()[1:] == (v.shape[2], 1))
