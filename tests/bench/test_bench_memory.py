@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.tiny_models import make_tiny_hf_folder
 
-from kvstack.bench.memory import KV_DTYPES
+from kvstack.bench.memory import DECODE_CONTEXTS, KV_DTYPES
 from kvstack.cli.main import main
 
 
@@ -54,5 +54,8 @@ def test_memory_case_counts_bytes_per_dtype_and_matches_the_estimate(
     assert max(window["measured"]) <= window["estimate"][-1]
     assert window["measured"][-1] < runs["float32"]["curve"]["measured"][-1]
     assert results["estimate_matches"] is True and results["peak_rss_mib"] > 0
+    decode = results["decode_tok_s_in_turns"]  # --quick: the first context length only
+    assert list(decode) == [str(DECODE_CONTEXTS[0])]
+    assert set(decode[str(DECODE_CONTEXTS[0])]) == {"float32", "int8"}
     assert [row["workload"].split(",")[0] for row in data["table"]][-1] == "decode tok/s"
     assert (out / data["plots"][0]).read_bytes().startswith(b"\x89PNG")

@@ -66,6 +66,26 @@ def test_int8_and_fp8_error_bounds_per_row(kv_dtype: str) -> None:
         assert rel[torch.arange(len(x)) != 3].max() < (0.01 if kv_dtype == "int8" else 0.04)
 
 
+def test_kernels_torch_writes_quantized_rows_in_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine with `kernels="torch"` keeps int8 / fp8 writes on the PyTorch definition;
+    otherwise (kernels built) every write is one C call."""
+    from kvstack.kernels import ops as kernel_ops
+    from kvstack.kv.storage.quantized import quantize_rows
+
+    calls: list[int] = []
+    monkeypatch.setattr(kernel_ops, "store_kv_quant", lambda *a, **k: calls.append(1))
+    k, v = kv_rows(BS, 0), kv_rows(BS, 1)
+    torch_only = make_kv_storage(SHAPE, 2, BS, "int8", torch.float32, 2, use_kernels=False)
+    torch_only.write(0, torch.arange(BS), k, v)
+    assert not calls
+    want, scale = quantize_rows(torch.stack((k, v), 1) @ torch_only.basis, "int8")
+    assert torch.equal(torch_only.kv[0][:BS], want)
+    assert torch.equal(torch_only.scale[0][:BS], scale)
+    if kernel_ops.available(torch.float32):
+        storage("int8").write(0, torch.arange(BS), k, v)
+        assert calls == [1]
+
+
 def test_int4_keys_per_channel_values_per_token_newest_block_exact() -> None:
     kv = storage("int4")
     assert isinstance(kv, Int4KVStorage)

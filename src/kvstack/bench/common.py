@@ -66,6 +66,7 @@ class BenchOptions:
     requests: int | None = None  # None: the case's default
     policies: tuple[str, ...] = ()  # cluster: which runs (empty: the case's default)
     load: float | None = None  # cluster: arrival rate / probed capacity (None: the default)
+    rate: float | None = None  # cluster: arrival rate in requests/s (overrides `load`)
     sim_replicas: tuple[int, ...] = ()
     sim_tenants: tuple[int, ...] = ()
 

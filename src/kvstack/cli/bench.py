@@ -118,6 +118,9 @@ def _cluster_flags() -> argparse.ArgumentParser:
     cluster.add_argument("--load", type=positive_float, default=None, metavar="X",
                          help="arrival rate as a fraction of the cluster's probed capacity "
                          "with every prefix computed once (default 0.8; above 1 overloads)")
+    cluster.add_argument("--rate", type=positive_float, default=None, metavar="R",
+                         help="arrival rate in requests/s, instead of --load's fraction of "
+                         "the probed capacity (the probe still runs and is reported)")
     cluster.add_argument("--sim-replicas", type=positive_int, nargs="+", default=None,
                          metavar="N", help="--simulate: replica counts (default 16 64 256)")
     cluster.add_argument("--sim-tenants", type=positive_int, nargs="+", default=None,
@@ -148,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         requests=getattr(args, "requests", None),
         policies=tuple(getattr(args, "policies", None) or ()),
         load=getattr(args, "load", None),
+        rate=getattr(args, "rate", None),
         sim_replicas=tuple(getattr(args, "sim_replicas", None) or ()),
         sim_tenants=tuple(getattr(args, "sim_tenants", None) or ()),
     )

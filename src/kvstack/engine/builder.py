@@ -112,7 +112,7 @@ def _build_kv(parts: EngineParts, config: EngineConfig) -> None:
         )
     storage = make_kv_storage(parts.model_config, num_blocks, cache.block_size,
                               parts.kv_cache_dtype, torch_dtype(config.dtype), max_num_seqs,
-                              shape.layers_per_block)
+                              shape.layers_per_block, use_kernels=config.kernels == "auto")
     block_format = BlockFormat(parts.fingerprint, parts.kv_cache_dtype, shape.layers_per_block,
                                shape.num_kv_heads, shape.head_dim, cache.block_size)
     parts.kv_shape = shape

@@ -29,6 +29,13 @@ from kvstack.kernels import build
 # embedded model's layer shapes) both hold: int8 19 vs 39 ms at 128 rows.
 FLOAT_KERNEL_ROWS = 8
 INT8_KERNEL_ROWS = 128
+# Without bf16 dot products in the CPU (AVX2; AVX-512 without BF16) PyTorch's bf16 matmul runs
+# 5-7x slower than its fp32 one. bf16 weights there go through the C kernel (it streams the
+# weight once, at about the fp32 matmul's speed) up to this many rows, and larger steps widen
+# the weight to fp32 per call for the fp32 matmul. Measured (AVX2, 2 threads, the embedded
+# model's four layer shapes x 30): 32 rows kernel 95 ms, widened 219, bf16 matmul 462; 64 rows
+# 176 / 182 / 872; 1,800 rows 5,428 / 3,624 / 24,585 (fp32 weights: 3,363).
+BF16_NO_DOT_KERNEL_ROWS = 64
 
 _GEMV = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16", torch.int8: "gemv_i8"}
 
@@ -67,7 +74,10 @@ class Linear:
             name = "gemv_bf16dp"  # bf16 x bf16 dot products (the activations are bf16)
         self._gemv = getattr(lib, name) if lib is not None else None
         self.kernel = name if lib is not None else None  # which gemv decode steps use
-        self.max_kernel_rows = INT8_KERNEL_ROWS if self.scale is not None else FLOAT_KERNEL_ROWS
+        # bf16 weights on a CPU without bf16 dot products: see BF16_NO_DOT_KERNEL_ROWS
+        self._widen = name == "gemv_bf16" and lib is not None
+        self.max_kernel_rows = (INT8_KERNEL_ROWS if self.scale is not None else
+                                BF16_NO_DOT_KERNEL_ROWS if self._widen else FLOAT_KERNEL_ROWS)
 
     @property
     def num_bytes(self) -> int:
@@ -84,6 +94,8 @@ class Linear:
         rows = x.shape[0]
         if self._gemv is not None and 0 < rows <= self.max_kernel_rows:
             return self._kernel(x, rows)
+        if self._widen:  # same products, summed in fp32 by the fp32 matmul; rounded once
+            return F.linear(x.float(), self.weight.float(), self.bias32).to(self.act_dtype)
         if self.scale is None:
             return F.linear(x, self.weight, self.bias)
         if self.act_dtype == torch.bfloat16:

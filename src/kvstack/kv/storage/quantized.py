@@ -15,11 +15,12 @@ embedded model (4,096 held-out tokens) it takes the perplexity increase of fp8 f
 0.33%, and int8's greedy agreement with the float32 cache from 45% to ~70% of tokens. The
 rotation costs attention two [D, D] products on queries and outputs, not one per cached token.
 
-With the C kernels built, every write goes through `store_kv_quant` (`kernels/ops.c`: the same
-scheme, the rotation as a fast Walsh-Hadamard transform), whichever path the step takes, so a
-token's codes never depend on how its step was batched; decode attention reads the codes in
-place (`decode_attention_quant`, also inside the one-call decode step) and prefill reads them
-back through `read`. The PyTorch code below is the scheme's definition and the fallback.
+With the C kernels built (and not turned off: `kernels="torch"`), every write goes through
+`store_kv_quant` (`kernels/ops.c`: the same scheme, the rotation as a fast Walsh-Hadamard
+transform), whichever path the step takes, so a token's codes never depend on how its step was
+batched; decode attention reads the codes in place (`decode_attention_quant`, also inside the
+one-call decode step) and prefill reads them back through `read`. The PyTorch code below is
+the scheme's definition, the reference path and the fallback.
 """
 
 from __future__ import annotations
@@ -84,8 +85,10 @@ class QuantizedKVStorage(KVCacheStorage):
     and dequantizes both with one op each (a decode step's cost is these ops' count)."""
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, kv_dtype: str,
-                 compute_dtype: torch.dtype, num_layers: int | None = None) -> None:
+                 compute_dtype: torch.dtype, num_layers: int | None = None,
+                 use_kernels: bool = True) -> None:
         self.num_blocks = num_blocks
+        self.use_kernels = use_kernels  # False: writes in PyTorch (the reference path)
         self.block_size = block_size
         self.dtype = _STORED[kv_dtype]
         self.compute_dtype = compute_dtype
@@ -111,7 +114,7 @@ class QuantizedKVStorage(KVCacheStorage):
         return [*self.kv, *self.scale]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if _kernel_writes(k, v, self.compute_dtype):
+        if self.use_kernels and _kernel_writes(k, v, self.compute_dtype):
             # One C call (`ops.c`: store_kv_quant), whichever path the step takes: prefill,
             # the per-op decode and the one-call decode step store the same codes.
             kernel_ops.store_kv_quant(k, v, slots, self.kv[layer], self.scale[layer],
