@@ -60,7 +60,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
             bar.update(1)
         windowed = _measure(subject, budget, prompt, params, kv_window=window)
         bar.update(1)
-        decode = {}
+        decode: dict[int, dict[str, float | None]] = {}
         for length in DECODE_CONTEXTS[:1] if options.quick else DECODE_CONTEXTS:
             if length + new_tokens <= subject.max_model_len:  # tiny models: fewer
                 decode[length] = _decode_in_turns(subject, budget,

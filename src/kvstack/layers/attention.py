@@ -102,7 +102,7 @@ def paged_attention(
     if decoded and not meta.prefills:
         return out
     turned = _attend(layer, q @ kv_storage.basis, k, v, meta, kv_storage, window, scale,
-                     torch.empty_like(q), decodes=not decoded) @ kv_storage.basis.T
+                     torch.empty_like(q), decodes=not decoded, kernel=False) @ kv_storage.basis.T
     if decoded:
         turned[meta.decode_rows] = out[meta.decode_rows]
     return turned
@@ -119,12 +119,14 @@ def _attend(
     scale: float | None,
     out: torch.Tensor,
     decodes: bool = True,
+    kernel: bool = True,
 ) -> torch.Tensor:
     """Fills `out` (and returns it): the decode rows (unless `decodes` is False: done
-    already) and every prefill span."""
+    already; `kernel=False`: not through the C kernel, which takes q in the model's basis)
+    and every prefill span."""
     if decodes and meta.decode_rows is not None:
         assert kv_storage is not None
-        if not _decode_kernel(layer, q, out, meta, kv_storage, window, scale):
+        if not (kernel and _decode_kernel(layer, q, out, meta, kv_storage, window, scale)):
             slots, mask = _decode_window(meta, window)
             kd, vd = kv_storage.read(layer, slots)  # [B, S, H_kv, D]
             qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
