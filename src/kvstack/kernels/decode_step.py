@@ -49,6 +49,16 @@ class _Dims(ctypes.Structure):
                 ("kv_kind", ctypes.c_int64), ("rotate", ctypes.c_int64)]
 
 
+class KVTensors(Protocol):
+    """What the step needs of a KV storage (`kv/storage/`)."""
+
+    basis: torch.Tensor | None
+
+    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def quantized_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
 @dataclass(frozen=True)
 class StepCaches:
     """What the step reads and writes per layer: a plain cache's (K, V) tensors [slots, H_kv,
@@ -58,6 +68,19 @@ class StepCaches:
     layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
     quantized: bool = False
     rotate: bool = False
+
+    @classmethod
+    def of(cls, storage: KVTensors, num_layers: int, dtype: torch.dtype) -> StepCaches | None:
+        """A storage's caches as the step reads them: plain tensors in the model's dtype, or
+        int8 / fp8 codes and scales; None for anything else (a cast float cache, int4)."""
+        plain = [storage.layer_tensors(i) for i in range(num_layers)]
+        if all(t is not None and t[0].dtype == dtype for t in plain):
+            return cls([t for t in plain if t is not None])
+        quantized = [storage.quantized_tensors(i) for i in range(num_layers)]
+        if all(t is not None for t in quantized):
+            return cls([t for t in quantized if t is not None], quantized=True,
+                       rotate=storage.basis is not None)
+        return None
 
     @property
     def kv_kind(self) -> int:

@@ -174,7 +174,7 @@ class LlamaForCausalLM:
         if kv_storage is None:
             return None
         if self._step_for is not kv_storage:
-            caches = _step_caches(kv_storage, self.config.num_layers, self.dtype)
+            caches = StepCaches.of(kv_storage, self.config.num_layers, self.dtype)
             linears = [lin for layer in self.layers
                        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             usable = all(runs_in_decode_step(lin) for lin in linears)
@@ -270,20 +270,6 @@ def _decodes_only(meta: AttentionMetadata, num_rows: int) -> bool:
     rows = meta.decode_rows
     return (rows is not None and not meta.prefills and rows.numel() == num_rows
             and meta.decode_lens is not None and meta.slot_mapping is not None)
-
-
-def _step_caches(kv_storage: KVCacheStorage, num_layers: int, dtype: torch.dtype
-                 ) -> StepCaches | None:
-    """The one-call step's view of the cache: plain tensors in the model's dtype, or int8 /
-    fp8 codes and scales; None for anything else (a cast float cache, int4)."""
-    plain = [kv_storage.layer_tensors(i) for i in range(num_layers)]
-    if all(t is not None and t[0].dtype == dtype for t in plain):
-        return StepCaches([t for t in plain if t is not None])
-    quantized = [kv_storage.quantized_tensors(i) for i in range(num_layers)]
-    if all(t is not None for t in quantized):
-        return StepCaches([t for t in quantized if t is not None], quantized=True,
-                          rotate=kv_storage.basis is not None)
-    return None
 
 
 def _nbytes(t: torch.Tensor) -> int:
