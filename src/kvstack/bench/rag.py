@@ -8,8 +8,9 @@ Each query is an instruction, 6 documents of ~300 tokens (pydoc topics) drawn fr
 - `blend_default`, `blend_first_k`, `blend_0.05`: APPROXIMATE blending (`blend/`) with the
   chunk entries in memory (precomputed), at the default setting, EPIC's first 8 tokens of each
   chunk, and kv_deviation at ratio 0.05;
-- `blend_disk`: the default setting in a fresh engine whose chunk entries are restored from
-  the disk tier (written by another engine).
+- `blend_disk`: the default setting in a fresh process (`python -m kvstack.bench.rag`) whose
+  chunk entries are restored from the disk tier, written by an engine in this process; its
+  memory chunk cache is emptied before each query, so every query reads its entries from disk.
 TTFT is the wall time of a one-token request; quality is KL(full || arm) in nats and top-1
 agreement with full prefill at that token; compute is prompt token-layers computed over full
 prefill's.
@@ -17,11 +18,17 @@ prefill's.
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow, progress, topic_texts
 from kvstack.bench.format import fmt_x, median, ratio
@@ -104,6 +111,32 @@ def _arm(subject: Subject, qs: list[list[Any]], name: str, bar: Any, **kwargs: A
     return out
 
 
+def _in_fresh_process(options: BenchOptions, qs: list[list[Any]], disk_dir: str
+                      ) -> list[dict[str, Any]]:
+    """The `blend_disk` arm in a new Python process that never computed an entry: only the
+    disk directory is shared."""
+    spec = {"options": {k: v for k, v in asdict(options).items() if k in (
+        "model", "threads", "dtype", "quantization")}, "disk_dir": disk_dir,
+        "queries": [[{"ids": list(s.token_ids), "chunk": True} if isinstance(s, Chunk) else
+                     {"ids": list(s), "chunk": False} for s in q] for q in qs]}
+    done = subprocess.run([sys.executable, "-m", "kvstack.bench.rag", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"rag benchmark's disk arm failed:\n{done.stderr[-4000:]}")
+    rows = json.loads(done.stdout.splitlines()[-1])
+    return [r | {"logprobs": torch.tensor(r["logprobs"])} for r in rows]
+
+
+def _disk_probe(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run in the fresh process: the disk arm over the spec's queries."""
+    options = BenchOptions(out=Path(spec["disk_dir"]), show_progress=False, **spec["options"])
+    qs = [[Chunk(token_ids=tuple(s["ids"])) if s["chunk"] else s["ids"] for s in q]
+          for q in spec["queries"]]
+    with progress(options, len(qs), "rag disk") as bar:
+        rows = _arm(Subject(options), qs, "blend_disk", bar, kv_disk_dir=Path(spec["disk_dir"]))
+    return [r | {"logprobs": r["logprobs"].tolist()} for r in rows]
+
+
 def _one() -> Any:
     from kvstack.sampling_params import SamplingParams
 
@@ -122,7 +155,8 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         writer = subject.llm(kv_disk_dir=Path(d))
         writer.precompute_chunks([s for q in qs for s in q if isinstance(s, Chunk)])
         writer.close()
-        samples["blend_disk"] = _arm(subject, qs, "blend_disk", bar, kv_disk_dir=Path(d))
+        samples["blend_disk"] = _in_fresh_process(options, qs, d)
+        bar.update(num)
     rows = _rows(samples)
     plot = _plot(options, rows)
     base = rows["full_prefill"]["median_ttft_s"]
@@ -178,3 +212,7 @@ def _plot(options: BenchOptions, rows: dict[str, dict[str, Any]]) -> str:
         kl_ax.scatter([compute], [r["mean_kl"]], marker="x", color="black")
     ax.legend(fontsize=8)
     return save_figure(fig, options, "rag.png")
+
+
+if __name__ == "__main__":
+    print(json.dumps(_disk_probe(json.loads(sys.argv[1]))))
