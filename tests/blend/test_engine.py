@@ -28,7 +28,7 @@ SELECTIONS = [BlendParams(recompute_ratio=r, selector=s, check_layer=c)
               for r, s, c in [(0.0, "kv_deviation", 1), (0.15, "kv_deviation", 1),
                               (0.3, "kv_deviation", 2), (0.15, "first_k", 1),
                               (0.15, "random", 1), (0.15, "attention", 1), (0.2, "impact", 0),
-                              (0.15, "first_k_deviation", 1)]]
+                              (0.15, "first_k_deviation", 1), (0.15, "gradual", 0)]]
 
 
 def engine(folder: Path, **kwargs: Any) -> LLM:
@@ -62,7 +62,7 @@ def warm(llm: LLM, docs: list[int]) -> None:
 def test_ratio_one_is_full_prefill(llm: LLM) -> None:
     full = llm.score(flat([0, 1, 2]), num_positions=4)[0].logprobs
     for selector in ("kv_deviation", "first_k", "random", "attention", "impact",
-                     "first_k_deviation"):
+                     "first_k_deviation", "gradual"):
         warm(llm, [0, 1, 2])
         out = llm.score(segments([0, 1, 2]), 4, BlendParams(recompute_ratio=1.0,
                                                            selector=selector))[0]
@@ -183,3 +183,27 @@ def test_first_k_deviation_keeps_each_chunks_first_tokens(llm: LLM) -> None:
     for i in (0, 1, 2):
         assert not blended & set(range(start, start + 4))  # each chunk's first 4 recomputed
         start += len(DOCS[i])
+
+
+def test_gradual_keeps_twice_the_ratio_then_the_ratio(llm: LLM) -> None:
+    """`gradual` drops placed tokens twice: at the check layer down to GRADUAL_WIDEN x the
+    ratio, GRADUAL_GAP layers later down to the ratio; the compute it reports counts both."""
+    from kvstack.blend.selectors import GRADUAL_GAP, GRADUAL_WIDEN
+
+    assert GRADUAL_GAP < 4  # the tiny model's 4 layers hold both stages from check layer 0
+    warm(llm, [0, 1, 2])
+    outs = {s: llm.generate(segments([0, 1, 2]), GREEDY, blend=BlendParams(
+        selector=s, recompute_ratio=0.1, check_layer=0))[0] for s in ("kv_deviation", "gradual")}
+    one, two = outs["kv_deviation"].blend, outs["gradual"].blend
+    assert one is not None and two is not None
+    assert one.recomputed_tokens == two.recomputed_tokens == 10  # 0.1 x 102
+    n = len(flat([0, 1, 2])["prompt_token_ids"])
+    wide = round(GRADUAL_WIDEN * 10)
+    # prompt token-layers: the template's rows at every layer; from the check layer on, the
+    # region's rows still computed (the kept placed tokens and the question)
+    exact, rest = 4 * len(TEMPLATE), n - len(TEMPLATE) - 102
+    expected_one = exact + 4 * (rest + 10)
+    expected_two = exact + GRADUAL_GAP * (rest + wide) + (4 - GRADUAL_GAP) * (rest + 10)
+    assert one.compute == pytest.approx(expected_one / (4 * n))
+    assert two.compute == pytest.approx(expected_two / (4 * n))
+    llm.engine.check_integrity()

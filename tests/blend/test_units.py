@@ -12,7 +12,14 @@ from kvstack.blend.codec import ChunkFormat
 from kvstack.blend.entry import ChunkEntry, chunk_key
 from kvstack.blend.params import BlendError
 from kvstack.blend.segments import tokenize_segments
-from kvstack.blend.selectors import keep_count, static_choice, top
+from kvstack.blend.selectors import (
+    GRADUAL_GAP,
+    GRADUAL_WIDEN,
+    keep_count,
+    stages,
+    static_choice,
+    top,
+)
 from kvstack.errors import KvstackError
 from kvstack.kv.tiers.codec import BlockFault
 
@@ -121,3 +128,11 @@ def test_selectors() -> None:
     picks = static_choice("random", 0.5, None, 7, [6, 4])
     assert picks.tolist() == static_choice("random", 0.5, None, 7, [6, 4]).tolist()
     assert len(picks) == 5 and len(set(picks.tolist())) == 5
+    assert stages("kv_deviation", 1, 0.15, 100, 30) == {1: 15}
+    assert stages("gradual", 1, 0.15, 100, 30) == {
+        1: keep_count(GRADUAL_WIDEN * 0.15, 100), 1 + GRADUAL_GAP: 15}
+    assert stages("gradual", 1, 0.6, 100, 30)[1] == 100  # never more than every token
+    last = 29 - GRADUAL_GAP  # the second stage at the last layer, then one past it
+    assert stages("gradual", last, 0.15, 100, 30) == {last: keep_count(GRADUAL_WIDEN * 0.15, 100),
+                                                      29: 15}
+    assert stages("gradual", 30 - GRADUAL_GAP, 0.15, 100, 30) == {30 - GRADUAL_GAP: 15}

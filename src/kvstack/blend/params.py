@@ -15,7 +15,8 @@ from typing import Any
 from kvstack.errors import InvalidRequestError
 
 # How the reused tokens to recompute are chosen (`selectors.py` says how each works).
-SELECTORS = ("kv_deviation", "first_k", "random", "attention", "impact", "first_k_deviation")
+SELECTORS = ("kv_deviation", "first_k", "random", "attention", "impact", "first_k_deviation",
+             "gradual")
 DEFAULT_SELECTOR = "kv_deviation"
 
 
@@ -52,8 +53,9 @@ class BlendParams:
     most from a fresh computation), "first_k" (EPIC: the first tokens of each chunk),
     "random" (a control), "attention" (the ones the question attends to most at
     `check_layer`), "impact" (attention times deviation: the estimated change of the
-    question's attention output) or "first_k_deviation" (each chunk's first `first_k` tokens,
-    default 4, then the rest of the budget by deviation).
+    question's attention output), "first_k_deviation" (each chunk's first `first_k` tokens,
+    default 4, then the rest of the budget by deviation) or "gradual" (deviation at
+    `check_layer` keeps twice the ratio, deviation three layers later keeps the ratio).
     `check_layer`: the layer whose fresh K/V the dynamic selectors compare (every layer up to
     it runs on all tokens); `first_k`: tokens per chunk for "first_k" (None: the ratio of each
     chunk); `seed`: of "random".

@@ -25,6 +25,7 @@ from kvstack.blend.selectors import (
     STATIC,
     Check,
     keep_count,
+    stages,
     static_choice,
     top,
 )
@@ -71,9 +72,13 @@ class BlendPlan:
         fixed_k = params.selector == "first_k" and params.first_k is not None
         everything = self.target >= region.placed.shape[0] and not fixed_k
         static = params.selector in STATIC or self.target == 0
-        # The layer that drops rows (None: every placed token is recomputed: full prefill).
+        # The layer that drops rows first (None: every placed token is recomputed: full
+        # prefill), and each layer that drops rows -> placed tokens kept from there on.
         self.check_layer: int | None = None if everything else (
             0 if static else params.check_layer)
+        self.stages = {} if self.check_layer is None else stages(
+            params.selector, self.check_layer, params.recompute_ratio, region.placed.shape[0],
+            num_layers)
         self.row_layers = 0  # region prompt rows computed, summed over layers
         self._pre: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -107,8 +112,8 @@ class BlendPlan:
     def select(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_storage: KVCacheStorage | None) -> torch.Tensor | None:
         kept = None
-        if layer == self.check_layer and kv_storage is not None:
-            kept = self._check(layer, q, k, v, kv_storage)
+        if layer in self.stages and kv_storage is not None:
+            kept = self._check(layer, q, k, v, kv_storage, self.stages[layer])
         region = self.region
         in_prompt = (self.alive >= region.row0) & (self.alive < region.row0
                                                    + region.num_prompt_rows)
@@ -118,11 +123,11 @@ class BlendPlan:
         return kept
 
     def _check(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_storage: KVCacheStorage) -> torch.Tensor | None:
+               kv_storage: KVCacheStorage, target: int) -> torch.Tensor | None:
         # Every current row's fresh K/V at this layer, the rows about to stop included.
         assert self.meta.slot_mapping is not None
         kv_storage.write(layer, self.meta.slot_mapping, k, v)
-        keep = self._choose(layer, q, k, v, kv_storage) | self.region.forced
+        keep = self._choose(layer, q, k, v, kv_storage, target) | self.region.forced
         drop = self.placed_alive & ~keep
         if not bool(drop.any()):
             return None
@@ -135,11 +140,11 @@ class BlendPlan:
         return kept
 
     def _choose(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_storage: KVCacheStorage) -> torch.Tensor:
-        """[n] bool over the placed tokens: the ones to recompute."""
+                kv_storage: KVCacheStorage, target: int) -> torch.Tensor:
+        """[n] bool over the placed tokens: the `target` to recompute from `layer` on."""
         params, n = self.state.params, self.region.placed.shape[0]
         keep = torch.zeros(n, dtype=torch.bool)
-        if self.target == 0 and not (params.selector == "first_k" and params.first_k):
+        if target == 0 and not (params.selector == "first_k" and params.first_k):
             return keep
         if params.selector in STATIC:
             sizes = [c.count for c in self.region.placements]
@@ -152,7 +157,7 @@ class BlendPlan:
             pre[static_choice("first_k", 0.0, params.first_k or FIRST_K_DEFAULT, 0, sizes)] = True
             keep |= pre & ~self.region.forced
         candidates = torch.nonzero(self.placed_alive & ~pre).flatten()
-        num = max(0, self.target - int(pre.sum()))
+        num = max(0, target - int(pre.sum()))
         rows = torch.searchsorted(self.alive, self.placed_rows[candidates])
         placed_k, placed_v = self.placed_kv(layer, candidates)
         check = Check(k[rows], v[rows], placed_k, placed_v,

@@ -15,6 +15,10 @@ it, from the fresh K/V there against the placed ones:
   pays a token times how far its placed value is from the fresh one, summed over heads: an
   estimate of how much the question's attention output moves when the token is not
   recomputed.
+- `gradual` (CacheBlend's gradual filtering): `kv_deviation` twice: at `check_layer` it keeps
+  `GRADUAL_WIDEN` times the ratio, and `GRADUAL_GAP` layers later, from the deviations there
+  (the kept tokens were recomputed up to it), the ratio. A token that only looks unimportant
+  at the first check layer gets a second look at a deeper one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ import torch
 
 STATIC = ("first_k", "random")
 FIRST_K_DEFAULT = 4  # first_k_deviation's tokens per chunk when first_k is not given
+# `gradual`: keep GRADUAL_WIDEN x the ratio at the check layer, the ratio from GRADUAL_GAP
+# layers later on.
+GRADUAL_WIDEN = 2.0
+GRADUAL_GAP = 3
 
 
 @dataclass
@@ -62,7 +70,19 @@ DYNAMIC: dict[str, Callable[[Check], torch.Tensor]] = {
     "first_k_deviation": _deviation,
     "attention": _attention,
     "impact": _impact,
+    "gradual": _deviation,
 }
+
+
+def stages(selector: str, check_layer: int, ratio: float, num: int, num_layers: int
+           ) -> dict[int, int]:
+    """Each layer where placed tokens stop being computed -> how many of `num` are kept from
+    there on: one stage at `check_layer`, two for `gradual`."""
+    final = keep_count(ratio, num)
+    later = check_layer + GRADUAL_GAP
+    if selector != "gradual" or later >= num_layers:
+        return {check_layer: final}
+    return {check_layer: keep_count(min(1.0, GRADUAL_WIDEN * ratio), num), later: final}
 
 
 def top(scores: torch.Tensor, num: int) -> torch.Tensor:

@@ -35,10 +35,12 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "impact_0.15": {"selector": "impact", "recompute_ratio": 0.15},
     "first_k_dev_0.15": {"selector": "first_k_deviation", "recompute_ratio": 0.15},
     "first_k_dev_0.1": {"selector": "first_k_deviation", "recompute_ratio": 0.1},
+    "gradual_0.12": {"selector": "gradual", "recompute_ratio": 0.12},
 }
 PAIRS = (("kv_dev_0.15", "random_0.15"), ("attention_0.15", "kv_dev_0.15"),
          ("impact_0.15", "kv_dev_0.15"), ("first_k_8", "kv_dev_0.15"),
-         ("first_k_dev_0.15", "kv_dev_0.15"))
+         ("first_k_dev_0.15", "kv_dev_0.15"), ("gradual_0.12", "kv_dev_0.15"),
+         ("gradual_0.12", "kv_dev_0.3"))
 INSTRUCTION = "Answer the question using the documents.\n\n"
 
 
