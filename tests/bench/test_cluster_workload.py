@@ -66,3 +66,22 @@ def test_the_arrival_rate_is_a_fraction_of_the_probed_capacity() -> None:
     # --load scales the rate linearly.
     assert cluster._arrival_rate(CONFIG, PROBE, 12, 120, load=1.2) == pytest.approx(
         some * 1.2 / cluster.LOAD)
+
+
+def _policy(hit: float, ttft: float, tok_s: float) -> dict[str, object]:
+    return {"hit_rate": hit, "ttft_p50_s": ttft, "throughput_tokens_per_s": tok_s,
+            "decision_us": {"p99": 800.0}}
+
+
+def test_targets_are_judged_from_the_policies_that_ran() -> None:
+    both = cluster._targets({"round-robin": _policy(0.63, 50.0, 4.4),
+                             "cache-aware": _policy(0.75, 4.0, 5.8),
+                             "oracle": _policy(0.77, 30.0, 5.2)})
+    assert both["hit_points_below_oracle"] == pytest.approx(2.0)
+    assert both["ttft_p50_vs_round_robin"] == pytest.approx(12.5)
+    assert both["met"]["hit_within_5_points_of_oracle"] and both["met"]["throughput_1.3x"]
+    assert not both["met"]["ahead_with_redis"]  # the Redis pair did not run
+    # A run of one policy (here the oracle alone) judges nothing and does not fail.
+    alone = cluster._targets({"oracle": _policy(0.77, 30.0, 5.2)})
+    assert alone["hit_points_below_oracle"] is None and alone["ttft_p50_vs_round_robin"] is None
+    assert not any(alone["met"].values())

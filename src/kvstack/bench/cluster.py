@@ -250,9 +250,10 @@ def _targets(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return results.get(name, {}).get(key)
 
     ca, rr = "cache-aware", "round-robin"
-    out: dict[str, Any] = {
-        "hit_points_below_oracle": None if get("oracle", "hit_rate") is None else
-        100 * (get("oracle", "hit_rate") - get(ca, "hit_rate")),
+    oracle_hit, ca_hit = get("oracle", "hit_rate"), get(ca, "hit_rate")
+    out: dict[str, Any] = {  # a target whose policies did not all run stays None
+        "hit_points_below_oracle": None if None in (oracle_hit, ca_hit) else
+        100 * (oracle_hit - ca_hit),
         "ttft_p50_vs_round_robin": ratio(get(rr, "ttft_p50_s"), get(ca, "ttft_p50_s")),
         "throughput_vs_round_robin": ratio(get(ca, "throughput_tokens_per_s"),
                                            get(rr, "throughput_tokens_per_s")),
