@@ -238,6 +238,17 @@ def progress(options: BenchOptions, total: int, desc: str) -> tqdm:
                 disable=not options.show_progress)
 
 
+def in_fresh_process(module: str, spec: dict[str, Any], what: str, timeout_s: float = 3600
+                     ) -> Any:
+    """Run `python -m module SPEC` (a case's measurement in a new process that shares nothing
+    with this one but what `spec` names) and return the JSON its last stdout line holds."""
+    done = subprocess.run([sys.executable, "-m", module, json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 # -- reporting -------------------------------------------------------------------------------
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,15 @@ from typing import Any
 
 import torch
 
-from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow, progress, topic_texts
+from kvstack.bench.common import (
+    BenchOptions,
+    CaseResult,
+    Subject,
+    TableRow,
+    in_fresh_process,
+    progress,
+    topic_texts,
+)
 from kvstack.bench.format import fmt_x, median, ratio
 from kvstack.bench.plots import new_figure, save_figure
 from kvstack.blend.params import BlendParams, Chunk
@@ -119,11 +126,7 @@ def _in_fresh_process(options: BenchOptions, qs: list[list[Any]], disk_dir: str
         "model", "threads", "dtype", "quantization")}, "disk_dir": disk_dir,
         "queries": [[{"ids": list(s.token_ids), "chunk": True} if isinstance(s, Chunk) else
                      {"ids": list(s), "chunk": False} for s in q] for q in qs]}
-    done = subprocess.run([sys.executable, "-m", "kvstack.bench.rag", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"rag benchmark's disk arm failed:\n{done.stderr[-4000:]}")
-    rows = json.loads(done.stdout.splitlines()[-1])
+    rows = in_fresh_process("kvstack.bench.rag", spec, "rag benchmark's disk arm")
     return [r | {"logprobs": torch.tensor(r["logprobs"])} for r in rows]
 
 

@@ -24,7 +24,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow, progress
+from kvstack.bench.common import (
+    BenchOptions,
+    CaseResult,
+    Subject,
+    TableRow,
+    in_fresh_process,
+    progress,
+)
 from kvstack.bench.format import fmt, fmt_x, ratio
 from kvstack.bench.plots import log_scale_y, new_figure, save_figure
 from kvstack.bench.prefix import document
@@ -165,11 +172,7 @@ def _public(row: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _in_fresh_process(spec: dict[str, Any]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "kvstack.bench.tiers", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"tiers benchmark probe failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
+    return in_fresh_process("kvstack.bench.tiers", spec, "tiers benchmark probe", 1800)
 
 
 def _probe(spec: dict[str, Any]) -> dict[str, Any]:
