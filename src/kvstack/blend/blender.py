@@ -111,12 +111,6 @@ class Blender:
         if spec.params.check_layer >= c.num_layers:
             raise BlendError(f"check_layer must be below the model's {c.num_layers} layers, "
                              f"got {spec.params.check_layer}")
-        max_num_batched_tokens = self.max_fill_tokens
-        if spec.chunks and len(token_ids) - spec.chunks[0][0] > max_num_batched_tokens:
-            raise BlendError(
-                f"the prompt from its first chunk on ({len(token_ids) - spec.chunks[0][0]} "
-                f"tokens) must fit one step, but max_num_batched_tokens is "
-                f"{max_num_batched_tokens}; raise it (--max-num-batched-tokens)")
         keys = [chunk_key(self.fingerprint, cache_salt, self.sink_ids, token_ids[s:e])
                 for s, e in spec.chunks]
         return BlendState(spec, len(token_ids), keys, num_scored)

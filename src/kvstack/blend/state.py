@@ -3,7 +3,8 @@ blended region starts, how the scheduler must cut its prefill, what it reused.
 
 The region starts at the first hit chunk's first token past the exact prefix-cache hit (or at
 the hit's end when a chunk straddles it). Before it, the prompt is an ordinary prefill (exact,
-chunked as usual, published to the prefix cache). From it to the end of the prompt, one step:
+chunked as usual, published to the prefix cache). From it to the end of the prompt, one step
+(whatever the step's token budget):
 hit chunks are placed, everything else (template, missed chunks, question) is computed, and a
 share of the placed tokens is recomputed. Nothing from the region on is exact, so nothing from
 it on is ever published to the prefix cache or the tiers.
@@ -62,18 +63,18 @@ class BlendState:
         """Tokens whose K/V are exact, so publishable (None: all of them)."""
         return self.region_start
 
-    def fit(self, start: int, num_new: int, region_taken: bool) -> int:
-        """How many of `num_new` tokens from `start` the request may compute this step: up to
-        its region, then the whole region (through the prompt's end) in one step, or none
-        (wait) when it does not fit or another region runs this step."""
+    def fit(self, start: int, num_new: int, num_rest: int, region_taken: bool) -> int:
+        """How many tokens from `start` the request computes this step: `num_new` (what the
+        budget allows) up to its region; at the region, all `num_rest` known tokens in one
+        step, even past the budget (its placed tokens skip the layers above the check layer,
+        so the step costs far less than its length), or none (wait) when another region runs
+        this step."""
         region = self.region_start
         if region is None or start > region:
             return num_new
         if start < region:
             return min(num_new, region - start)
-        if region_taken or start + num_new < self.num_prompt_tokens:
-            return 0
-        return num_new
+        return 0 if region_taken else num_rest
 
     def is_region_step(self, start: int) -> bool:
         return self.region_start is not None and start == self.region_start

@@ -90,11 +90,9 @@ class Scheduler:
         # Decodes first so a long prefill never stalls them; then unfinished prefills.
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         for request in order:
-            if request.status is not RequestStatus.RUNNING or budget == 0:
+            if request.status is not RequestStatus.RUNNING or budget <= 0:
                 continue
-            num_new = self._fit(request, request.num_computed_tokens,
-                                min(request.num_tokens - request.num_computed_tokens, budget,
-                                    self.max_chunk), out)
+            num_new = self._fit(request, request.num_computed_tokens, budget, out)
             if num_new == 0:
                 continue
             drafts = self._drafts(request, request.num_computed_tokens, num_new, budget)
@@ -142,15 +140,18 @@ class Scheduler:
                                 self.kv_manager.num_dropped_blocks(request_id), drafts,
                                 self.kv_manager.group_block_ids(request_id))
 
-    @staticmethod
-    def _fit(request: Request, start: int, num_new: int, out: SchedulerOutput) -> int:
-        """A blended request (`blend/`) computes up to its blended region in chunks, then the
-        whole region in one step, one region a step; 0: it waits."""
+    def _fit(self, request: Request, start: int, budget: int, out: SchedulerOutput) -> int:
+        """New tokens from `start` this step: what is left of the prompt (or one decode token)
+        within the budget and the chunk cap. A blended request (`blend/`) computes up to its
+        region in chunks, then the whole region in one step, even past the budget (its step
+        then uses the budget up), one region a step; 0: it waits."""
+        rest = request.num_tokens - start
+        num_new = min(rest, budget, self.max_chunk)
         if request.blend is None:
             return num_new
         taken = any(s.request.blend is not None and s.request.blend.is_region_step(
             s.request.num_computed_tokens) for s in out.scheduled)
-        return request.blend.fit(start, num_new, taken)
+        return request.blend.fit(start, num_new, rest, taken)
 
     def _drafts(self, request: Request, start: int, num_new: int, budget: int) -> list[int]:
         """The request's draft tokens that fit this step: only when the step reaches the end
@@ -209,8 +210,7 @@ class Scheduler:
                 continue
             if request.blend is not None:
                 request.blend.admit(hit.num_tokens)
-            num_new = self._fit(request, hit.num_tokens, min(request.num_tokens - hit.num_tokens,
-                                                             budget, self.max_chunk), out)
+            num_new = self._fit(request, hit.num_tokens, budget, out)
             if num_new == 0:
                 break
             drafts = self._drafts(request, hit.num_tokens, num_new, budget)
