@@ -2,7 +2,8 @@
 
 Each step has a token budget (`max_num_batched_tokens`) and a cap on running requests
 (`max_num_seqs`). Running decodes are planned first (one token each), then unfinished
-prefills, then new arrivals, each prefill chunked to what is left of the budget. When the
+prefills, then new arrivals, each prefill chunked to what is left of the budget (but a
+blended request's region, `blend/state.py`, which runs whole in one step). When the
 pool runs dry the most recently admitted request is preempted (blocks freed, requeued at the
 front, recomputed later with its output so far as prompt) — but not one resumed just now.
 
