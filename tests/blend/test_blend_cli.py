@@ -52,7 +52,9 @@ def test_eval_blend_one_item(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     code = main(["eval", "blend", "--items", "1", "--arms", "full_reuse,kv_dev_0.15",
                  "--threads", "1", "--out", str(out)])
     assert code == 0
-    assert "APPROXIMATE" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "APPROXIMATE" in printed.out
+    assert "items" in printed.err and "1/1" in printed.err  # the progress bar, on stderr
     rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["full_prefill", "full_reuse", "kv_dev_0.15"]
     assert rows["full_prefill"]["kl"]["mean"] == pytest.approx(0, abs=1e-6)
