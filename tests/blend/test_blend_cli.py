@@ -55,7 +55,11 @@ def test_eval_blend_one_item(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     printed = capsys.readouterr()
     assert "APPROXIMATE" in printed.out
     assert "items" in printed.err and "1/1" in printed.err  # the progress bar, on stderr
-    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    written = json.loads(out.read_text())
+    rows = {r["arm"]: r for r in written["rows"]}
+    assert len(written["per_prompt"]["kv_dev_0.15"]["kl"]) == 2  # one item in two orders
+    assert sum(written["per_prompt"]["full_reuse"]["kl"]) / 2 == pytest.approx(
+        rows["full_reuse"]["kl"]["mean"])
     assert list(rows) == ["full_prefill", "full_reuse", "kv_dev_0.15"]
     assert rows["full_prefill"]["kl"]["mean"] == pytest.approx(0, abs=1e-6)
     assert rows["full_prefill"]["top1"]["mean"] == 1

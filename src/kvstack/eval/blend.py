@@ -38,8 +38,9 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "first_k_dev_0.1": {"selector": "first_k_deviation", "recompute_ratio": 0.1},
     "gradual_0.12": {"selector": "gradual", "recompute_ratio": 0.12},
 }
-PAIRS = (("kv_dev_0.15", "random_0.15"), ("attention_0.15", "kv_dev_0.15"),
-         ("impact_0.15", "kv_dev_0.15"), ("first_k_8", "kv_dev_0.15"),
+PAIRS = (("kv_dev_0.15", "random_0.15"), ("kv_dev_0.05", "random_0.15"),
+         ("attention_0.15", "kv_dev_0.15"), ("impact_0.15", "kv_dev_0.15"),
+         ("first_k_8", "kv_dev_0.15"),
          ("first_k_dev_0.15", "kv_dev_0.15"), ("gradual_0.12", "kv_dev_0.15"),
          ("gradual_0.12", "kv_dev_0.3"))
 INSTRUCTION = "Answer the question using the documents.\n\n"
@@ -215,5 +216,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed, "full_prefill_exact_match": ref_em,
         "rows": [asdict(r) for r in rows],
         "paired": {k: asdict(v) for k, v in pairs.items()},
+        # Per prompt, so that any other paired comparison can be made from the file.
+        "per_prompt": result["per_arm"],
     })
     return 0
