@@ -45,6 +45,7 @@ APP = "kvstack-test"
 
 class RayCluster:
     def __init__(self, tmp: Path) -> None:
+        self._reference: LLM | None = None
         self.redis: RedisServer = start_redis(tmp)
         self.ray = RayInstance(num_cpus=2, log_to_driver=False).__enter__()
         try:
@@ -60,7 +61,6 @@ class RayCluster:
             self.close()
             raise
         self.http = httpx.Client(base_url=self.url, timeout=600)
-        self._reference: LLM | None = None
 
     def reference(self) -> LLM:
         """One engine on its own, as the replicas run it (1 thread), for the greedy check."""

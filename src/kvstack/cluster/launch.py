@@ -27,6 +27,11 @@ from kvstack.errors import KvstackError
 
 OBJECT_STORE_BYTES = 100 * 2**20
 READY_TIMEOUT_S = 600.0  # replicas load the model in parallel; a loaded machine is slow
+# Serve's controller kills an HTTP proxy that misses 3 readiness checks of 5 s each, and
+# serve.start then fails: on a busy machine (both cores computing) a proxy can take longer
+# to come up. A private instance gives it a minute per check (env read by Ray's processes).
+SERVE_PROXY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+                   "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 
 
 class ClusterStartError(KvstackError):
@@ -56,6 +61,8 @@ class RayInstance:
         if self.address:
             ray.init(address=self.address, **kwargs)
             return self
+        for name, value in SERVE_PROXY_ENV.items():
+            os.environ.setdefault(name, value)
         # Short and private: Ray puts unix sockets under it (a 107-byte path limit).
         self.temp_dir = Path(tempfile.mkdtemp(prefix="kr", dir=tempfile.gettempdir()))
         try:
@@ -89,7 +96,11 @@ def start_http(host: str, port: int) -> None:
     """Serve's HTTP proxy on host:port (cluster-wide; set once per Serve instance)."""
     from ray import serve
 
-    serve.start(http_options={"host": host, "port": port})
+    try:
+        serve.start(http_options={"host": host, "port": port})
+    except Exception as err:  # Ray raises its own types (ActorDiedError, GetTimeoutError, ...)
+        raise ClusterStartError(f"Serve's HTTP proxy on {host}:{port} did not start: "
+                                f"{type(err).__name__}: {str(err).splitlines()[0]}") from err
 
 
 def deploy(app: Any, name: str, url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
