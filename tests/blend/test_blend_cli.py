@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstack.cli.main import main
+from kvstack.eval import blend as blend_eval
 from kvstack.eval.blend_data import make_items
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,10 +48,12 @@ def test_synthetic_items_are_seeded_and_sized() -> None:
 
 
 @pytest.mark.slow
-def test_eval_blend_one_item(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "blend.json"
-    code = main(["eval", "blend", "--items", "1", "--arms", "full_reuse,kv_dev_0.15",
-                 "--threads", "1", "--out", str(out)])
+def test_eval_blend_one_item(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    out, partial = tmp_path / "blend.json", tmp_path / "items.jsonl"
+    command = ["eval", "blend", "--items", "1", "--arms", "full_reuse,kv_dev_0.15",
+               "--threads", "1", "--out", str(out), "--resume", str(partial)]
+    code = main(command)
     assert code == 0
     printed = capsys.readouterr()
     assert "APPROXIMATE" in printed.out
@@ -64,6 +67,17 @@ def test_eval_blend_one_item(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert rows["full_prefill"]["kl"]["mean"] == pytest.approx(0, abs=1e-6)
     assert rows["full_prefill"]["top1"]["mean"] == 1
     assert rows["full_reuse"]["compute"]["mean"] < rows["kv_dev_0.15"]["compute"]["mean"] < 1
+    # --resume: the item's figures were kept; the same command again measures nothing (a
+    # line cut short by an interruption is dropped) and reports the same table.
+    assert len(partial.read_text().splitlines()) == 2  # the run's spec, then item 0
+    with partial.open("a") as f:
+        f.write('{"item": 1, "figu')
+    monkeypatch.setattr(blend_eval, "_measure", lambda *a: pytest.fail("measured again"))
+    assert main(command) == 0
+    assert json.loads(out.read_text())["rows"] == written["rows"]
+    capsys.readouterr()
+    assert main([*command[:5], "full_reuse", *command[6:]]) == 2  # other arms: refused
+    assert "holds another run" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -8,11 +8,16 @@ agreement with full prefill and the KL divergence KL(full || arm) in nats, the a
 teacher-forced argmax over its tokens) relative to full prefill's, and the compute used
 (prompt token-layers computed over full prefill's). Means come with 95% confidence intervals
 (normal approximation over prompts); paired differences compare selectors.
+
+Each item is compared as soon as it is measured (one item's logprob rows held at a time), and
+`--resume FILE` keeps every finished item's figures, so a long run (200 items take 2-2.5 hours
+on 2 cores) that was interrupted continues where it stopped when given the same command.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -21,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstack.argtypes import DEFAULT_MODEL, name_list, positive_int
+from kvstack.errors import InvalidRequestError
 from kvstack.eval.quality import write_eval_json
 
 # arm name -> BlendParams fields (None: full prefill, the reference)
@@ -44,6 +50,7 @@ PAIRS = (("kv_dev_0.15", "random_0.15"), ("kv_dev_0.05", "random_0.15"),
          ("first_k_dev_0.15", "kv_dev_0.15"), ("gradual_0.12", "kv_dev_0.15"),
          ("gradual_0.12", "kv_dev_0.3"))
 INSTRUCTION = "Answer the question using the documents.\n\n"
+METRICS = ("top1", "kl", "nll", "exact_match", "compute")  # per prompt
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=None, metavar="FILE",
                         help="also write the table as JSON here")
+    parser.add_argument("--resume", type=Path, default=None, metavar="FILE",
+                        help="keep each finished item's figures in FILE (JSON lines) and skip "
+                        "the items it holds already: an interrupted run, given the same "
+                        "command, continues where it stopped")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bar on stderr (200 items take ~2 hours on 2 cores)")
     parser.set_defaults(run=run)
@@ -136,8 +147,7 @@ def _measure(llm: Any, prompts: list[tuple[list[Any], str]], params: Any,
 def _compare(ref: list[dict[str, Any]], arm: list[dict[str, Any]]) -> dict[str, list[float]]:
     import torch
 
-    out: dict[str, list[float]] = {"top1": [], "kl": [], "nll": [], "exact_match": [],
-                                   "compute": []}
+    out: dict[str, list[float]] = {k: [] for k in METRICS}
     for r, a in zip(ref, arm, strict=True):
         p, q = r["logprobs"][0], a["logprobs"][0]
         out["top1"].append(float(int(p.argmax()) == int(q.argmax())))
@@ -160,6 +170,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     arms = ["full_prefill"] + [a for a in args.arms if a != "full_prefill"]
+    spec = {"model": args.model, "seed": args.seed, "orders": args.orders, "arms": arms}
+    done = load_items(args.resume, spec)
     with LLM(model=args.model, kv_cache_memory="256MiB", enable_prefix_caching=False,
              max_num_batched_tokens=4096, num_threads=args.threads) as llm:
         tok = llm.engine.tokenizer
@@ -167,17 +179,59 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                            lambda t: tok.encode(t, add_special_tokens=False))
         prompts = prompts_of(items, args.orders, args.seed)
         params = {arm: None if ARMS[arm] is None else BlendParams(**ARMS[arm]) for arm in arms}
-        results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+        per_item: list[dict[str, dict[str, list[float]]]] = []
         for i, item in enumerate(tqdm(items, desc="items", file=sys.stderr, leave=False,
                                       dynamic_ncols=True, disable=not args.progress)):
+            if i in done:
+                per_item.append(done[i])
+                continue
             # One item's documents just before its prompts: all items' documents together
             # overflow the chunk cache, and a prompt would then compute evicted ones exactly.
             llm.precompute_chunks(list(item.documents))
             mine = prompts[i * args.orders:(i + 1) * args.orders]
-            for arm in arms:
-                results[arm] += _measure(llm, mine, params[arm])
-    per_arm = {arm: _compare(results["full_prefill"], results[arm]) for arm in arms}
+            # Compared item by item, so that only one item's logprob rows are ever held.
+            ref = _measure(llm, mine, None)
+            figures = {arm: _compare(ref, ref if params[arm] is None
+                                     else _measure(llm, mine, params[arm])) for arm in arms}
+            append_item(args.resume, spec, i, figures)
+            per_item.append(figures)
+    per_arm = {arm: {k: [v for f in per_item for v in f[arm][k]] for k in METRICS}
+               for arm in arms}
     return {"items": items, "num_prompts": len(prompts), "per_arm": per_arm}
+
+
+def load_items(path: Path | None, spec: dict[str, Any]) -> dict[int, Any]:
+    """The items a `--resume` file holds (a last line cut short by an interruption is
+    dropped); the file must come from the same model, seed, orders and arms."""
+    if path is None or not path.exists():
+        return {}
+    lines = path.read_text().splitlines()
+    try:
+        header = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        header = None
+    if header != {"spec": spec}:
+        raise InvalidRequestError(f"{path} holds another run (not the same model, seed, orders "
+                                  f"and arms as this one); give another --resume file")
+    done = {}
+    for line in lines[1:]:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        done[int(row["item"])] = row["figures"]
+    return done
+
+
+def append_item(path: Path | None, spec: dict[str, Any], index: int,
+                figures: dict[str, dict[str, list[float]]]) -> None:
+    if path is None:
+        return
+    fresh = not path.exists() or path.stat().st_size == 0
+    with path.open("a") as f:
+        if fresh:
+            f.write(json.dumps({"spec": spec}) + "\n")
+        f.write(json.dumps({"item": index, "figures": figures}) + "\n")
 
 
 def summarize(per_arm: dict[str, dict[str, list[float]]]) -> tuple[list[ArmRow],
