@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstack.cli.main import main
+from kvstack.errors import KvstackError
 from kvstack.eval import blend as blend_eval
 from kvstack.eval.blend_data import make_items
 
@@ -78,6 +79,22 @@ def test_eval_blend_one_item(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     capsys.readouterr()
     assert main([*command[:5], "full_reuse", *command[6:]]) == 2  # other arms: refused
     assert "holds another run" in capsys.readouterr().err
+
+
+def test_resume_file_survives_a_line_cut_short(tmp_path: Path) -> None:
+    path, spec = tmp_path / "items.jsonl", {"model": "m", "seed": 0, "orders": 2, "arms": ["a"]}
+    figures = {"a": {"kl": [0.5, 0.25]}}
+    assert blend_eval.load_items(path, spec) == {}
+    path.touch()  # killed before its first write
+    assert blend_eval.load_items(path, spec) == {}
+    blend_eval.append_item(path, spec, 0, figures)
+    with path.open("a") as f:
+        f.write('{"item": 1, "figures": {"a": {"kl": [0.')  # interrupted mid-line
+    blend_eval.append_item(path, spec, 1, figures)
+    blend_eval.append_item(path, spec, 2, figures)
+    assert blend_eval.load_items(path, spec) == {0: figures, 1: figures, 2: figures}
+    with pytest.raises(KvstackError, match="another run"):
+        blend_eval.load_items(path, spec | {"seed": 1})
 
 
 @pytest.mark.slow

@@ -203,7 +203,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 def load_items(path: Path | None, spec: dict[str, Any]) -> dict[int, Any]:
     """The items a `--resume` file holds (a last line cut short by an interruption is
     dropped); the file must come from the same model, seed, orders and arms."""
-    if path is None or not path.exists():
+    if path is None or not path.exists() or path.stat().st_size == 0:
         return {}
     lines = path.read_text().splitlines()
     try:
@@ -217,9 +217,9 @@ def load_items(path: Path | None, spec: dict[str, Any]) -> dict[int, Any]:
     for line in lines[1:]:
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+            done[int(row["item"])] = row["figures"]
+        except (ValueError, KeyError, TypeError):  # JSONDecodeError is a ValueError
             continue
-        done[int(row["item"])] = row["figures"]
     return done
 
 
@@ -228,9 +228,16 @@ def append_item(path: Path | None, spec: dict[str, Any], index: int,
     if path is None:
         return
     fresh = not path.exists() or path.stat().st_size == 0
+    cut = False  # the last line was cut short by an interruption: start a line of our own
+    if not fresh:
+        with path.open("rb") as f:
+            f.seek(-1, 2)
+            cut = f.read(1) != b"\n"
     with path.open("a") as f:
         if fresh:
             f.write(json.dumps({"spec": spec}) + "\n")
+        if cut:
+            f.write("\n")
         f.write(json.dumps({"item": index, "figures": figures}) + "\n")
 
 
