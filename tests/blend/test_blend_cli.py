@@ -82,12 +82,14 @@ def test_eval_blend_one_item(tmp_path: Path, capsys: pytest.CaptureFixture[str],
 
 
 def test_resume_file_survives_a_line_cut_short(tmp_path: Path) -> None:
-    path, spec = tmp_path / "items.jsonl", {"model": "m", "seed": 0, "orders": 2, "arms": ["a"]}
+    path = tmp_path / "runs" / "items.jsonl"  # its folder is made on the first write
+    spec = {"model": "m", "seed": 0, "orders": 2, "arms": ["a"]}
     figures = {"a": {"kl": [0.5, 0.25]}}
     assert blend_eval.load_items(path, spec) == {}
-    path.touch()  # killed before its first write
-    assert blend_eval.load_items(path, spec) == {}
     blend_eval.append_item(path, spec, 0, figures)
+    empty = tmp_path / "empty.jsonl"
+    empty.touch()  # killed before its first write
+    assert blend_eval.load_items(empty, spec) == {}
     with path.open("a") as f:
         f.write('{"item": 1, "figures": {"a": {"kl": [0.')  # interrupted mid-line
     blend_eval.append_item(path, spec, 1, figures)

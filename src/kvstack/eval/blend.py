@@ -227,6 +227,7 @@ def append_item(path: Path | None, spec: dict[str, Any], index: int,
                 figures: dict[str, dict[str, list[float]]]) -> None:
     if path is None:
         return
+    path.parent.mkdir(parents=True, exist_ok=True)
     fresh = not path.exists() or path.stat().st_size == 0
     cut = False  # the last line was cut short by an interruption: start a line of our own
     if not fresh:
