@@ -104,7 +104,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "the items it holds already: an interrupted run, given the same "
                         "command, continues where it stopped")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
-                        help="no progress bar on stderr (200 items take ~2 hours on 2 cores)")
+                        help="no progress bar on stderr (200 items take 2-2.5 hours on 2 cores)")
     parser.set_defaults(run=run)
     return parser
 
