@@ -245,14 +245,111 @@ DEFINE_HEAD_LOOPS(f8, uint8_t)
  * ATTN_CHUNK positions it is the plain softmax. Returns 0, or -1 without memory. */
 #define ATTN_CHUNK 128
 /* The cache rows a step reads come from memory (the weights streamed since the last step
- * evicted them), at scattered blocks, and waiting on each row's load ran at a fifth of the
- * bandwidth: K rows are prefetched this many positions ahead, and each V row as its K row is
- * read, so it is in cache when the second pass needs it. */
-#define ATTN_AHEAD 4
+ * evicted them), at scattered blocks: K rows are prefetched a block of 8 positions ahead, and
+ * each V row as its K row is read, so it is in cache when the second pass needs it. */
+#define ATTN_BLOCK 8
 
 static inline void prefetch_row(const void *p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)p + at);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* Lane p = the sum of a[p]'s eight lanes. */
+static inline __m256 hsum8x8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+/* A unit's two passes over its n <= ATTN_CHUNK rows, for cache elements of type KT:
+ *   scores: sc[h * ATTN_CHUNK + j] = (q_h . k_j) * ks[j] for the group's query heads;
+ *   values: acc[0..dim) += sum_j p[j] * v_j.
+ * With AVX2 and dim a multiple of 8, the scores take 8 rows at a time against one query
+ * (8 accumulators, one horizontal reduction for all 8), and the values keep 64 columns of the
+ * accumulator in registers across all rows instead of loading and storing them per row (those
+ * loads and stores, not the arithmetic, bounded the old loop). A value element's sum runs in
+ * row order either way; a score's order of additions differs between the two paths. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define DEFINE_UNIT_LOOPS(KSUF, KT)                                                           \
+    static void scores_##KSUF(const float *qv, int64_t group, const KT *const *kr,           \
+                              const KT *const *vr, const float *ks, int64_t n, int64_t dim,  \
+                              float *sc) {                                                   \
+        const int64_t bytes = dim * (int64_t)sizeof(KT);                                     \
+        if (dim % 8) {                                                                       \
+            for (int64_t j = 0; j < n; j++)                                                  \
+                for (int64_t h = 0; h < group; h++)                                          \
+                    sc[h * ATTN_CHUNK + j] = head_dot_##KSUF(qv + h * dim, kr[j], dim) * ks[j]; \
+            return;                                                                          \
+        }                                                                                    \
+        for (int64_t j = 0; j < n && j < ATTN_BLOCK; j++) prefetch_row(kr[j], bytes);        \
+        int64_t j0 = 0;                                                                      \
+        for (; j0 + ATTN_BLOCK <= n; j0 += ATTN_BLOCK) {                                     \
+            for (int64_t j = j0 + ATTN_BLOCK; j < n && j < j0 + 2 * ATTN_BLOCK; j++)         \
+                prefetch_row(kr[j], bytes);                                                  \
+            for (int64_t j = j0; j < j0 + ATTN_BLOCK; j++) prefetch_row(vr[j], bytes);       \
+            const __m256 scale = _mm256_loadu_ps(ks + j0);                                   \
+            for (int64_t h = 0; h < group; h++) {                                            \
+                const float *q = qv + h * dim;                                               \
+                __m256 a[8];                                                                 \
+                for (int p = 0; p < 8; p++) a[p] = _mm256_setzero_ps();                      \
+                for (int64_t i = 0; i < dim; i += 8) {                                       \
+                    const __m256 qi = _mm256_loadu_ps(q + i);                                \
+                    for (int p = 0; p < 8; p++)                                              \
+                        a[p] = _mm256_fmadd_ps(qi, load8_##KSUF(kr[j0 + p] + i), a[p]);      \
+                }                                                                            \
+                _mm256_storeu_ps(sc + h * ATTN_CHUNK + j0, _mm256_mul_ps(hsum8x8(a), scale)); \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t j = j0; j < n; j++) {                                                   \
+            prefetch_row(vr[j], bytes);                                                      \
+            for (int64_t h = 0; h < group; h++)                                              \
+                sc[h * ATTN_CHUNK + j] = head_dot_##KSUF(qv + h * dim, kr[j], dim) * ks[j];  \
+        }                                                                                    \
+    }                                                                                        \
+    static void values_##KSUF(float *acc, const float *p, const KT *const *vr, int64_t n,    \
+                              int64_t dim) {                                                 \
+        int64_t c = 0;                                                                       \
+        for (; dim % 8 == 0 && c + 64 <= dim; c += 64) {                                     \
+            __m256 a[8];                                                                     \
+            for (int v = 0; v < 8; v++) a[v] = _mm256_loadu_ps(acc + c + 8 * v);            \
+            for (int64_t j = 0; j < n; j++) {                                                \
+                const __m256 pj = _mm256_set1_ps(p[j]);                                      \
+                for (int v = 0; v < 8; v++)                                                  \
+                    a[v] = _mm256_fmadd_ps(pj, load8_##KSUF(vr[j] + c + 8 * v), a[v]);       \
+            }                                                                                \
+            for (int v = 0; v < 8; v++) _mm256_storeu_ps(acc + c + 8 * v, a[v]);             \
+        }                                                                                    \
+        for (; dim % 8 == 0 && c < dim; c += 8) {                                            \
+            __m256 a = _mm256_loadu_ps(acc + c);                                             \
+            for (int64_t j = 0; j < n; j++)                                                  \
+                a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8_##KSUF(vr[j] + c), a);       \
+            _mm256_storeu_ps(acc + c, a);                                                    \
+        }                                                                                    \
+        if (dim % 8)                                                                         \
+            for (int64_t j = 0; j < n; j++) head_axpy_##KSUF(acc, p[j], vr[j], dim);         \
+    }
+#else
+#define DEFINE_UNIT_LOOPS(KSUF, KT)                                                           \
+    static void scores_##KSUF(const float *qv, int64_t group, const KT *const *kr,           \
+                              const KT *const *vr, const float *ks, int64_t n, int64_t dim,  \
+                              float *sc) {                                                   \
+        (void)vr;                                                                            \
+        for (int64_t j = 0; j < n; j++)                                                      \
+            for (int64_t h = 0; h < group; h++)                                              \
+                sc[h * ATTN_CHUNK + j] = head_dot_##KSUF(qv + h * dim, kr[j], dim) * ks[j];  \
+    }                                                                                        \
+    static void values_##KSUF(float *acc, const float *p, const KT *const *vr, int64_t n,    \
+                              int64_t dim) {                                                 \
+        for (int64_t j = 0; j < n; j++) head_axpy_##KSUF(acc, p[j], vr[j], dim);             \
+    }
+#endif
+DEFINE_UNIT_LOOPS(f32, float)
+DEFINE_UNIT_LOOPS(bf16, uint16_t)
+DEFINE_UNIT_LOOPS(i8, int8_t)
+DEFINE_UNIT_LOOPS(f8, uint8_t)
 
 /* The loop over (sequence, kv head, chunk) units and the merge, for q/out of type T and cache
  * elements of type KT: row r of the cache (r = slot * slot_rows + kv head) is k + r * dim and
@@ -281,39 +378,34 @@ static inline void prefetch_row(const void *p, int64_t bytes) {
                 const int64_t hi = lens[b] < lo + ATTN_CHUNK ? lens[b] : lo + ATTN_CHUNK;    \
                 float *pu = part + u * group * width;                                        \
                 if (lo >= hi) continue; /* past the sequence: the merge never reads it */     \
-                const int64_t *sl = slots + b * max_ctx;                                     \
-                float qv[group * dim], sc[group * ATTN_CHUNK];                               \
+                const int64_t *sl = slots + b * max_ctx, n = hi - lo;                        \
+                float qv[group * dim], sc[group * ATTN_CHUNK], ksc[ATTN_CHUNK], p[ATTN_CHUNK]; \
+                const KT *kr[ATTN_CHUNK], *vr[ATTN_CHUNK];                                   \
                 const T *qb = q + (b * heads + g * group) * dim;                             \
                 for (int64_t i = 0; i < group * dim; i++) qv[i] = get_##SUF(qb, i);          \
                 if (rotate)                                                                  \
                     for (int64_t h = 0; h < group; h++) hadamard(qv + h * dim, dim);         \
                 for (int64_t i = 0; i < group * dim; i++) qv[i] *= scale;                    \
-                for (int64_t j = lo; j < hi; j++) {                                          \
-                    const int64_t r = sl[j] * slot_rows + g;                                 \
-                    const KT *kr = k + r * dim;                                              \
-                    const float s = ks ? f16_to_f32(ks[r]) * unit : 1.0f;                    \
-                    if (j + ATTN_AHEAD < hi)                                                 \
-                        prefetch_row(k + (sl[j + ATTN_AHEAD] * slot_rows + g) * dim,         \
-                                     dim * sizeof(KT));                                      \
-                    prefetch_row(v + r * dim, dim * sizeof(KT));                             \
-                    for (int64_t h = 0; h < group; h++)                                      \
-                        sc[h * ATTN_CHUNK + j - lo] = head_dot_##KSUF(qv + h * dim, kr, dim) * s; \
+                for (int64_t j = 0; j < n; j++) {                                            \
+                    const int64_t r = sl[lo + j] * slot_rows + g;                            \
+                    kr[j] = k + r * dim;                                                     \
+                    vr[j] = v + r * dim;                                                     \
+                    ksc[j] = ks ? f16_to_f32(ks[r]) * unit : 1.0f;                           \
                 }                                                                            \
+                scores_##KSUF(qv, group, kr, vr, ksc, n, dim, sc);                           \
                 for (int64_t h = 0; h < group; h++) {                                        \
                     float *sh = sc + h * ATTN_CHUNK, *acc = pu + h * width;                  \
                     float mx = -INFINITY;                                                    \
-                    for (int64_t j = 0; j < hi - lo; j++) mx = sh[j] > mx ? sh[j] : mx;      \
-                    const float sum = exp_sum(sh, hi - lo, mx);                              \
+                    for (int64_t j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;            \
+                    const float sum = exp_sum(sh, n, mx);                                    \
                     for (int64_t i = 0; i < dim; i++) acc[i] = 0.f;                          \
                     acc[dim] = mx;                                                           \
                     acc[dim + 1] = sum;                                                      \
-                }                                                                            \
-                for (int64_t j = lo; j < hi; j++) {                                          \
-                    const int64_t r = sl[j] * slot_rows + g;                                 \
-                    const KT *vr = v + r * dim;                                              \
-                    const float s = vs ? f16_to_f32(vs[r]) * unit : 1.0f;                    \
-                    for (int64_t h = 0; h < group; h++)                                      \
-                        head_axpy_##KSUF(pu + h * width, sc[h * ATTN_CHUNK + j - lo] * s, vr, dim); \
+                    for (int64_t j = 0; j < n; j++) {                                        \
+                        const int64_t r = sl[lo + j] * slot_rows + g;                        \
+                        p[j] = sh[j] * (vs ? f16_to_f32(vs[r]) * unit : 1.0f);               \
+                    }                                                                        \
+                    values_##KSUF(acc, p, vr, n, dim);                                       \
                 }                                                                            \
             }                                                                                \
             /* merge a head's chunks: weights exp(max_c - max), in chunk order */             \
