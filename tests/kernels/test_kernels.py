@@ -129,9 +129,12 @@ def test_fused_ops_match_torch(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_reads_slots_in_place(dtype: torch.dtype) -> None:
+# 64: the register-blocked loops; 128: two column blocks; 80: a block and an 8-column tail;
+# 36 (not a multiple of 8): the plain loops. Lengths leave position tails off the 8-row blocks.
+@pytest.mark.parametrize("dim", [64, 128, 80, 36])
+def test_decode_attention_reads_slots_in_place(dtype: torch.dtype, dim: int) -> None:
     gen = torch.Generator().manual_seed(11)
-    heads, kv_heads, dim = 9, 3, 64
+    heads, kv_heads = 9, 3
     k_cache, v_cache = (torch.randn(300, kv_heads, dim, generator=gen).to(dtype) for _ in "kv")
     q = torch.randn(3, heads, dim, generator=gen).to(dtype)
     lens = torch.tensor([1, 250, 37])
