@@ -379,7 +379,8 @@ DEFINE_UNIT_LOOPS(f8, uint8_t)
                 float *pu = part + u * group * width;                                        \
                 if (lo >= hi) continue; /* past the sequence: the merge never reads it */     \
                 const int64_t *sl = slots + b * max_ctx, n = hi - lo;                        \
-                float qv[group * dim], sc[group * ATTN_CHUNK], ksc[ATTN_CHUNK], p[ATTN_CHUNK]; \
+                float qv[group * dim], sc[group * ATTN_CHUNK], ksc[ATTN_CHUNK], vsc[ATTN_CHUNK];  \
+                float p[ATTN_CHUNK];                                                         \
                 const KT *kr[ATTN_CHUNK], *vr[ATTN_CHUNK];                                   \
                 const T *qb = q + (b * heads + g * group) * dim;                             \
                 for (int64_t i = 0; i < group * dim; i++) qv[i] = get_##SUF(qb, i);          \
@@ -391,6 +392,7 @@ DEFINE_UNIT_LOOPS(f8, uint8_t)
                     kr[j] = k + r * dim;                                                     \
                     vr[j] = v + r * dim;                                                     \
                     ksc[j] = ks ? f16_to_f32(ks[r]) * unit : 1.0f;                           \
+                    vsc[j] = vs ? f16_to_f32(vs[r]) * unit : 1.0f;                           \
                 }                                                                            \
                 scores_##KSUF(qv, group, kr, vr, ksc, n, dim, sc);                           \
                 for (int64_t h = 0; h < group; h++) {                                        \
@@ -401,10 +403,7 @@ DEFINE_UNIT_LOOPS(f8, uint8_t)
                     for (int64_t i = 0; i < dim; i++) acc[i] = 0.f;                          \
                     acc[dim] = mx;                                                           \
                     acc[dim + 1] = sum;                                                      \
-                    for (int64_t j = 0; j < n; j++) {                                        \
-                        const int64_t r = sl[lo + j] * slot_rows + g;                        \
-                        p[j] = sh[j] * (vs ? f16_to_f32(vs[r]) * unit : 1.0f);               \
-                    }                                                                        \
+                    for (int64_t j = 0; j < n; j++) p[j] = sh[j] * vsc[j];                   \
                     values_##KSUF(acc, p, vr, n, dim);                                       \
                 }                                                                            \
             }                                                                                \
