@@ -15,6 +15,7 @@ from kvstack.layers.sampler import (
     Sampler,
     SamplingState,
     apply_penalties,
+    argmax_rows,
     make_generator,
     top_logprobs,
 )
@@ -146,6 +147,22 @@ def test_greedy_is_argmax_with_lowest_index_on_ties() -> None:
     assert token_ids == logits.argmax(dim=-1).tolist()
     assert token_ids[3] == 10
     assert logprobs is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 300), seed=st.integers(0, 2**16),
+       special=st.sampled_from(["none", "ties", "nan", "inf", "-inf", "strided"]))
+def test_argmax_rows_is_torch_argmax(rows: int, vocab: int, seed: int, special: str) -> None:
+    """The NumPy fast path keeps torch.argmax's rules: first index on ties, NaN as the max."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 3, (rows, vocab), generator=g).float()  # many exact ties
+    marks = torch.rand(rows, vocab, generator=g) < 0.1
+    if special in ("nan", "inf", "-inf"):
+        logits[marks] = float(special)
+    if special == "strided":  # a non-contiguous view (every other column)
+        logits = torch.cat([logits, logits], dim=1)[:, ::2]
+    assert argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert argmax_rows(logits.double()).tolist() == logits.double().argmax(dim=-1).tolist()
 
 
 def test_greedy_rows_in_a_mixed_batch_stay_argmax() -> None:

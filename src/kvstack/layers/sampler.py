@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvstack.sampling_params import SamplingParams
@@ -191,7 +192,16 @@ def _sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tens
         else:  # e.g. a CPU generator for logits on an accelerator: same stream, then copied
             draw = torch.empty(vocab_size, device=generator.device).uniform_(generator=generator)
             noise[i] = draw.to(device)
-    return (x - noise.log_().neg_().log_()).argmax(dim=-1)
+    return argmax_rows(x - noise.log_().neg_().log_())
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [S] (int64; the lowest index on ties and a NaN counted as the
+    maximum, as torch.argmax). Float32 CPU logits go through NumPy, whose vectorized argmax
+    over a 49k vocabulary takes ~10 us against torch's ~60-120 us: about 1% of a decode step."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return x.argmax(dim=-1)
 
 
 def apply_guides(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
@@ -244,7 +254,7 @@ class Sampler:
             )
         allowed = apply_guides(logits, states)
         if all(s.sampling_params.greedy and not s.sampling_params.has_penalties for s in states):
-            token_ids = allowed.argmax(dim=-1)
+            token_ids = argmax_rows(allowed)
         else:
             token_ids = self._choose(apply_penalties(allowed, states), states)
         logprobs = None
@@ -262,7 +272,7 @@ class Sampler:
         sampled = [i for i, s in enumerate(states) if not s.sampling_params.greedy]
         if len(sampled) == len(states):
             return _sample(logits.float(), states)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax_rows(logits)
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
             token_ids[rows] = _sample(logits[rows].float(), [states[i] for i in sampled])
