@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -178,3 +179,77 @@ def test_eval_ppl_has_a_gguf_row(tmp_path: Any) -> None:
     # Measured +1.1% on these 64 tokens (the dequantized model's weights, int8-rounded
     # activations in the kernels).
     assert abs(gguf["perplexity_change"]) < 0.05
+
+
+class _HFAsLlama:
+    """llama_cpp.Llama's surface that `eval/llamacpp.py` uses (eval, scores, reset, generate),
+    answered by transformers on our fp32 weights: llama.cpp's row must then score exactly
+    like the fp32 reference, which checks its windows, offsets and prompt ids."""
+
+    def __init__(self, hf: Any, model_path: str, n_ctx: int, logits_all: bool,
+                 **_: Any) -> None:
+        assert logits_all and model_path.endswith(".gguf")
+        self.hf, self.n_ctx = hf, n_ctx
+        self.scores = np.zeros((n_ctx, hf.config.vocab_size), np.float32)
+        self.n_tokens = 0
+
+    def reset(self) -> None:
+        self.n_tokens = 0
+
+    def eval(self, tokens: list[int]) -> None:
+        assert self.n_tokens == 0 and len(tokens) <= self.n_ctx  # whole windows, from empty
+        with torch.no_grad():
+            logits = self.hf(torch.tensor([tokens])).logits[0].float()
+        self.scores[: len(tokens)] = logits.numpy()
+        self.n_tokens = len(tokens)
+
+    def generate(self, tokens: list[int], temp: float, repeat_penalty: float) -> Any:
+        assert temp == 0.0 and repeat_penalty == 1.0 and self.n_tokens == 0
+        tokens = list(tokens)
+        while True:
+            with torch.no_grad():
+                token = int(self.hf(torch.tensor([tokens])).logits[0, -1].argmax())
+            tokens.append(token)
+            yield token
+
+
+def test_llamacpp_row_scores_the_reference_windows_and_prompts(llm: LLM, hf_embedded: Any
+                                                               ) -> None:
+    import argparse
+    import functools
+
+    from kvstack.eval.ppl import _llamacpp_row
+    from kvstack.eval.quality import AgainstReference
+
+    args = argparse.Namespace(model="smollm2-135m", tokens=70, window=32, agreement_tokens=4,
+                              threads=1)
+    scorer = AgainstReference(args.tokens, args.window, args.agreement_tokens)
+    scorer.score(llm)  # the reference: our fp32 engine
+    row = _llamacpp_row(args, scorer, llama=functools.partial(_HFAsLlama, hf_embedded))
+    assert row is not None and row.name == "llama.cpp"
+    # Windows 32 + 32 + 6 tokens, each from an empty cache: the same positions scored.
+    assert abs(row.scores.perplexity_change) < 1e-4
+    assert row.scores.token_agreement == 1.0 and row.scores.exact_prompts == 8
+    assert row.weight_bytes < 150 * 2**20  # the GGUF file, not fp32 weights
+
+
+def test_eval_ppl_skips_llamacpp_where_it_cannot_run(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import kvstack.eval.llamacpp
+    from kvstack.cli.main import main
+
+    monkeypatch.setattr(kvstack.eval.llamacpp, "unavailable_reason",
+                        lambda model: "llama-cpp-python is not installed")
+    out = tmp_path / "ppl.json"
+    code = main(["eval", "ppl", "--tokens", "40", "--window", "20", "--agreement-tokens", "2",
+                 "--formats", "float32-reference,llama.cpp", "--out", str(out)])
+    assert code == 0
+    assert [r["name"] for r in json.loads(out.read_text())["rows"]] == ["float32-reference"]
+    assert "llama.cpp: skipped, llama-cpp-python is not installed" in capsys.readouterr().err
+    # It is never the reference: one line, exit 2.
+    assert main(["eval", "ppl", "--formats", "llama.cpp,float32"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be the reference" in err and err.count("\n") == 1

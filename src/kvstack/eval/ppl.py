@@ -2,9 +2,9 @@
 
 For each format (fp32 through PyTorch ops only, i.e. the reference path; fp32, bf16 and int8
 weights through the engine's fast path; gguf: a GGUF file's own quantized blocks, GGUF models
-only) it measures perplexity on a held-out text (Python's
-own documentation) and greedy agreement with the reference over a fixed chat prompt set, and
-prints one table (JSON with `--out`).
+only; llama.cpp: the same GGUF file run by llama.cpp, where llama-cpp-python is installed) it
+measures perplexity on a held-out text (Python's own documentation) and greedy agreement with
+the reference over a fixed chat prompt set, and prints one table (JSON with `--out`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvstack.argtypes import name_list
+from kvstack.errors import InvalidRequestError
 from kvstack.eval.quality import (
     SCORE_HEADER,
     AgainstReference,
     Scores,
     add_eval_args,
+    agreement_prompt_ids,
+    heldout_token_ids,
     score_columns,
     write_eval_json,
 )
@@ -32,6 +35,7 @@ FORMATS: dict[str, dict[str, Any]] = {
     "int8": {"quantization": "int8"},
     "gguf": {"quantization": "gguf"},
 }
+LLAMA_CPP = "llama.cpp"  # not our engine: scored by `eval/llamacpp.py`, never the reference
 
 
 @dataclass(frozen=True)
@@ -47,14 +51,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="weight formats: perplexity and greedy agreement with the fp32 reference",
         description="Perplexity on held-out text (pydoc_data.topics) and greedy agreement with "
         "the fp32 reference path, for each weight format (float32-reference, float32, "
-        "bfloat16, int8, gguf: a GGUF file's own blocks).",
+        "bfloat16, int8, gguf: a GGUF file's own blocks; llama.cpp: the same file run by "
+        "llama.cpp, where llama-cpp-python is installed).",
         epilog="example: kvstack eval ppl --tokens 2048 --formats float32-reference,int8",
     )
     add_eval_args(parser)
-    parser.add_argument("--formats", type=name_list(tuple(FORMATS), "format"),
-                        default=list(FORMATS), metavar="LIST",
+    names = (*FORMATS, LLAMA_CPP)
+    parser.add_argument("--formats", type=name_list(names, "format"),
+                        default=list(names), metavar="LIST",
                         help=f"comma-separated, first is the reference (default: "
-                        f"{','.join(FORMATS)})")
+                        f"{','.join(names)})")
     parser.set_defaults(run=run)
     return parser
 
@@ -63,10 +69,18 @@ def evaluate(args: argparse.Namespace) -> list[FormatRow]:
     from kvstack.engine.llm import LLM
     from kvstack.weights import is_gguf_model
 
+    if args.formats[0] == LLAMA_CPP:
+        raise InvalidRequestError("llama.cpp cannot be the reference: list one of ours first, "
+                                  "e.g. --formats float32-reference,llama.cpp")
     scorer = AgainstReference(args.tokens, args.window, args.agreement_tokens)
     rows = []
     gguf = is_gguf_model(args.model)
     for name in args.formats:
+        if name == LLAMA_CPP:
+            row = _llamacpp_row(args, scorer)
+            if row is not None:
+                rows.append(row)
+            continue
         if name == "gguf" and not gguf:
             print(f"gguf: skipped, {args.model} is not a GGUF file", file=sys.stderr)
             continue
@@ -74,6 +88,25 @@ def evaluate(args: argparse.Namespace) -> list[FormatRow]:
                  **FORMATS[name]) as llm:
             rows.append(FormatRow(name, llm.info.num_weight_bytes, scorer.score(llm)))
     return rows
+
+
+def _llamacpp_row(args: argparse.Namespace, scorer: AgainstReference,
+                  llama: Any = None) -> FormatRow | None:
+    """llama.cpp on the model's GGUF file, scored on the reference's token ids; None (with a
+    notice) where it cannot run. `llama`: the `Llama` class (llama_cpp's by default)."""
+    from kvstack.eval.llamacpp import LlamaCppScorer, unavailable_reason
+
+    reason = unavailable_reason(args.model) if llama is None else None
+    if reason is not None:
+        print(f"{LLAMA_CPP}: skipped, {reason}", file=sys.stderr)
+        return None
+    text = heldout_token_ids(scorer.tokenizer, args.tokens)
+    prompts = agreement_prompt_ids(scorer.tokenizer)
+    n_ctx = max(args.window, max(len(p) for p in prompts) + args.agreement_tokens)
+    peer = LlamaCppScorer(args.model, n_ctx, args.threads, llama=llama)
+    scores = scorer.compare(peer.perplexity(text, args.window),
+                            peer.greedy(prompts, args.agreement_tokens))
+    return FormatRow(LLAMA_CPP, peer.num_weight_bytes, scores)
 
 
 def run(args: argparse.Namespace) -> int:

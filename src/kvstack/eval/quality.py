@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstack.argtypes import DEFAULT_MODEL, positive_int
+from kvstack.engine.chat import chat_token_ids
 from kvstack.errors import InvalidRequestError
 from kvstack.sampling_params import SamplingParams
 
@@ -67,15 +68,21 @@ class PerplexityResult:
     num_tokens: int  # tokens scored (each window's first token has no context and is skipped)
 
 
-def perplexity(llm: LLM, token_ids: Sequence[int], window: int = 1024) -> PerplexityResult:
-    """Perplexity of `token_ids` split into consecutive windows of `window` tokens, each scored
-    as one prompt (all windows in one batch)."""
+def text_windows(token_ids: Sequence[int], window: int) -> list[list[int]]:
+    """`token_ids` in consecutive windows of `window` tokens, each scored as one prompt (a
+    last window under 2 tokens has nothing to score and is dropped)."""
     if window < 2:
         raise InvalidRequestError(f"window must be at least 2 tokens, got {window}")
     windows = [list(token_ids[i : i + window]) for i in range(0, len(token_ids), window)]
     windows = [w for w in windows if len(w) >= 2]
     if not windows:
         raise InvalidRequestError("perplexity needs at least 2 tokens of text")
+    return windows
+
+
+def perplexity(llm: LLM, token_ids: Sequence[int], window: int = 1024) -> PerplexityResult:
+    """Perplexity of `token_ids` split into `text_windows` (all windows in one batch)."""
+    windows = text_windows(token_ids, window)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params)
     scores = [lp for out in outputs for lp in (out.prompt_logprobs or [])[1:]]
@@ -92,12 +99,19 @@ class Agreement:
     num_prompts: int
 
 
+def agreement_prompt_ids(tokenizer: Any, prompts: Sequence[str] = AGREEMENT_PROMPTS
+                         ) -> list[list[int]]:
+    """The prompts as one-message chats through the model's chat template (as `LLM.chat`)."""
+    return [chat_token_ids(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+
+
 def greedy_outputs(llm: LLM, prompts: Sequence[str] = AGREEMENT_PROMPTS,
                    max_tokens: int = 64) -> list[list[int]]:
     """Greedy continuations of the chat-templated prompts (ignore_eos: fixed length)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    chats = [[{"role": "user", "content": p}] for p in prompts]
-    return [out.outputs[0].token_ids for out in llm.chat(chats, params)]
+    ids = agreement_prompt_ids(llm.get_tokenizer(), prompts)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in ids], params)
+    return [out.outputs[0].token_ids for out in outputs]
 
 
 def greedy_agreement(reference: Sequence[Sequence[int]],
@@ -157,18 +171,28 @@ def score_columns(s: Scores) -> str:
 
 
 class AgainstReference:
-    """Scores LLMs one after another; the first one scored is the reference."""
+    """Scores LLMs one after another; the first one scored is the reference. Its tokenizer
+    also gives the held-out and prompt token ids that a peer outside the engine scores
+    (`compare`)."""
 
     def __init__(self, num_tokens: int, window: int, agreement_tokens: int) -> None:
         self.num_tokens = num_tokens
         self.window = window
         self.agreement_tokens = agreement_tokens
         self._reference: tuple[float, list[list[int]]] | None = None
+        self.tokenizer: Any = None  # the reference's, once it is scored
 
     def score(self, llm: LLM) -> Scores:
         ids = heldout_token_ids(llm.get_tokenizer(), self.num_tokens)
         ppl = perplexity(llm, ids, window=self.window).perplexity
         outputs = greedy_outputs(llm, max_tokens=self.agreement_tokens)
+        if self._reference is None:
+            self.tokenizer = llm.get_tokenizer()
+        return self.compare(ppl, outputs)
+
+    def compare(self, ppl: float, outputs: list[list[int]]) -> Scores:
+        """Scores of a perplexity on the held-out ids and greedy continuations of the
+        agreement prompts (the first call sets the reference)."""
         if self._reference is None:
             self._reference = (ppl, outputs)
         agreement = greedy_agreement(self._reference[1], outputs)
