@@ -36,12 +36,15 @@ def unavailable_reason(model: str) -> str | None:
 class LlamaCppPeer:
     """One llama.cpp context on a GGUF file; every run starts from an empty KV cache."""
 
-    def __init__(self, model: str, n_ctx: int, threads: int) -> None:
-        from llama_cpp import Llama
-
+    def __init__(self, model: str, n_ctx: int, threads: int | None, logits_all: bool = False,
+                 llama: Any = None) -> None:
+        """`logits_all`: keep every position's logits (`llm.scores`), as perplexity needs;
+        `llama`: the `Llama` class (llama_cpp's by default)."""
+        if llama is None:
+            from llama_cpp import Llama as llama
         self.path: Path = resolve_model(model)
-        self.llm: Any = Llama(model_path=str(self.path), n_ctx=n_ctx, n_threads=threads,
-                              n_threads_batch=threads, verbose=False)
+        self.llm: Any = llama(model_path=str(self.path), n_ctx=n_ctx, n_threads=threads,
+                              n_threads_batch=threads, logits_all=logits_all, verbose=False)
 
     @property
     def num_weight_bytes(self) -> int:
