@@ -4,21 +4,17 @@ agree, tool calls whose arguments parse, typed 4xx for bad input, and no block l
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import anthropic
-import httpx
-import httpx2
 import jsonschema
 import openai
 import pytest
+from helpers.asgi_clients import AsgiClients
 
 from kvstack import LLM
-from kvstack.engine.async_llm import AsyncLLM
-from kvstack.server.app import create_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -39,24 +35,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
-class Clients:
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
-        self.engine = AsyncLLM(llm.engine)
-        app = create_app(self.engine)
-        self.loop = asyncio.new_event_loop()
-        self.openai = openai.AsyncOpenAI(
-            base_url="http://kvstack/v1", api_key="x", max_retries=0,
-            http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                          base_url="http://kvstack/v1", timeout=300))
-        self.claude = anthropic.AsyncAnthropic(
-            base_url="http://kvstack", api_key="x", max_retries=0,
-            http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
-                                           base_url="http://kvstack", timeout=300))
-
-    def run(self, work: Any) -> Any:
-        return self.loop.run_until_complete(work)
-
+class Clients(AsgiClients):
     def chat(self, **kw: Any) -> Any:
         return self.run(self.openai.chat.completions.create(
             **({"model": MODEL, "messages": ASK, "max_tokens": 24, "temperature": 0} | kw)))
@@ -82,20 +61,12 @@ class Clients:
                 return await stream.get_final_message()
         return self.run(final())
 
-    def close(self) -> None:
-        self.loop.run_until_complete(self.openai.close())
-        self.loop.run_until_complete(self.claude.close())
-        self.loop.close()
-        self.engine.shutdown()
-
 
 @pytest.fixture(scope="module")
 def api() -> Iterator[Clients]:
     clients = Clients(LLM(MODEL, kv_cache_memory="64MiB"))
     yield clients
     clients.close()
-    clients.llm.engine.check_integrity()
-    assert clients.llm.stats().num_blocks_used == 0
 
 
 # -- n and logprobs ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvstack.blend.params import BlendSpec
 from kvstack.engine.core import LLMEngine
+from kvstack.engine.embedding import embed
 from kvstack.engine.info import ModelInfo
 from kvstack.engine.stats import EngineStats
 from kvstack.errors import KvstackError
@@ -188,6 +189,17 @@ class AsyncLLM:
     ) -> tuple[int, int]:
         with self._lock:
             return self.engine.pin_prefix(token_ids, cache_salt, ttl_s)
+
+    async def embed(self, token_ids: Sequence[int]) -> list[float]:
+        """`engine/embedding.py` `embed` of one sequence, run between steps under the engine
+        lock (the model's kernels are not run from two threads at once)."""
+        return await asyncio.to_thread(self._embed, token_ids)
+
+    def _embed(self, token_ids: Sequence[int]) -> list[float]:
+        if self._error is not None:
+            raise EngineDeadError(f"engine failed: {self._error!r}; restart the server")
+        with self._lock:
+            return embed(self.engine.model, token_ids).tolist()
 
     @property
     def info(self) -> ModelInfo:

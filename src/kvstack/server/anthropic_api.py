@@ -1,4 +1,5 @@
-"""Anthropic-compatible route: POST /v1/messages, with prompt caching by `cache_control`.
+"""Anthropic-compatible routes: POST /v1/messages, with prompt caching by `cache_control`, and
+POST /v1/messages/count_tokens (the prompt's token count, from the same prompt building).
 
 A `cache_control` breakpoint (at most 4, on tools, system blocks or message blocks) pins the
 prompt prefix that ends there for its TTL ("5m" or "1h"); a later request hitting it refreshes
@@ -82,6 +83,22 @@ async def messages(request: Request, tenant: AuthTenant) -> JSONResponse | Strea
     wire = AnthropicWire(state, prompt, salt, probe)
     stream = state.start(prompt.token_ids, params, wire.id, salt, probe, prompt.blend)
     return await respond(request, stream, wire, bool(body.stream), probe)
+
+
+class CountTokensRequest(MessagesRequest):
+    """/v1/messages/count_tokens' body: a Messages request, max_tokens optional."""
+
+    max_tokens: int | None = None  # type: ignore[assignment]
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request, _: AuthTenant) -> dict[str, int]:
+    """The prompt tokens /v1/messages runs for the same body (system, tools, messages,
+    documents): the very prompt it builds, so the two never disagree."""
+    state = server_state(request)
+    body = await parse_body(request, CountTokensRequest)
+    state.check_model(body.model)
+    return {"input_tokens": len(_build_prompt(state, body).token_ids)}
 
 
 # -- prompt and breakpoints ------------------------------------------------------------------

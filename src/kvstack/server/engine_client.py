@@ -63,3 +63,14 @@ class ReplicatedEngine(Protocol):
     def replica_stats(self) -> dict[str, EngineStats]:
         """The latest counters of each live replica, by replica name."""
         ...
+
+
+@runtime_checkable
+class EmbeddingEngine(Protocol):
+    """An engine client that can pool the model's hidden states (one engine in this process):
+    /v1/embeddings needs it and answers 501 without."""
+
+    async def embed(self, token_ids: Sequence[int]) -> list[float]:
+        """The L2-normalized mean of the final hidden states over `token_ids`
+        (`engine/embedding.py`)."""
+        ...
