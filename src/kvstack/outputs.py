@@ -45,6 +45,20 @@ class RequestMetrics:
         return sum(self.inter_token_latencies) / len(self.inter_token_latencies)
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability at a position (vLLM's shape): its rank in the model's
+    distribution there (1 = most likely) and its text decoded alone."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position: None for the first token, else its token and the k most likely ones.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -107,11 +121,21 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
-    # With `prompt_logprobs`: log P(prompt[i] | prompt[:i]) for each i (None for the first).
-    prompt_logprobs: list[float | None] | None = None
+    # With `prompt_logprobs=k`: per position i, None for the first, else a dict (token id ->
+    # Logprob) of prompt[i] given prompt[:i] and the k most likely tokens there.
+    prompt_logprobs: PromptLogprobs | None = None
     # Draft tokens verified for this request (fed to the model) and how many were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     # A blended request's chunk reuse (None: not blended, or not admitted yet).
     blend: BlendUsage | None = None
     provenance: Provenance = field(default_factory=Provenance)
+
+    @property
+    def prompt_token_logprobs(self) -> list[float | None] | None:
+        """log P(prompt[i] | prompt[:i]) per position (None for the first): each position's
+        entry for its own token in `prompt_logprobs`."""
+        if self.prompt_logprobs is None:
+            return None
+        return [None if entry is None else entry[token].logprob
+                for entry, token in zip(self.prompt_logprobs, self.prompt_token_ids, strict=True)]

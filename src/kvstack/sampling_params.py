@@ -117,9 +117,11 @@ class SamplingParams:
     `logprobs=k` (0-20) reports the log-probability of each chosen token under the raw model
     distribution and, for k > 0, the k most likely tokens at that position with theirs.
     `structured_outputs` constrains the output (JSON schema, regex, choice, grammar).
-    `prompt_logprobs` (0 or 1, same meaning) asks for the log-probability of each prompt token
-    given the tokens before it (perplexity); such a request computes its whole prompt, so it
-    neither takes nor needs a prefix-cache hit.
+    `prompt_logprobs=k` (0-20) asks for the log-probability of each prompt token given the
+    tokens before it (perplexity, choice scoring) and the k most likely tokens there, in
+    vLLM's shape (`RequestOutput.prompt_logprobs`). Such a request takes a prefix-cache hit
+    only over blocks whose scores were kept when an earlier scoring request computed them
+    (`scoring/`), and computes the rest: its numbers equal a cold computation.
     `prompt_lookup=N` drafts up to N tokens at each step by copying what followed the last few
     tokens where they occurred earlier in the prompt or output; the engine verifies drafts, so
     a greedy output is the one it would be without them (`drafts/`). Greedy requests without
@@ -165,9 +167,8 @@ class SamplingParams:
                    allow_none=True)
         _check_int("logprobs", self.logprobs, f"in [0, {MAX_LOGPROBS}] or null",
                    lambda k: 0 <= k <= MAX_LOGPROBS, allow_none=True)
-        _check_int("prompt_logprobs", self.prompt_logprobs,
-                   "0 or 1 or null (top alternatives of prompt tokens are unsupported)",
-                   lambda k: k in (0, 1), allow_none=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, f"in [0, {MAX_LOGPROBS}] or null",
+                   lambda k: 0 <= k <= MAX_LOGPROBS, allow_none=True)
         self.stop = _normalized_stop(self.stop)
         self.stop_token_ids = _normalized_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):

@@ -53,7 +53,7 @@ def test_prompt_logprobs_match_transformers(llm: LLM, text_ids: list[int], hf_em
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     out = llm.generate({"prompt_token_ids": text_ids}, params)[0]
     assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
-    ours = out.prompt_logprobs[1:]
+    ours = out.prompt_token_logprobs[1:]
     ref = _reference_logprobs(hf_embedded, text_ids)
     assert len(ours) == len(ref) == NUM_TOKENS - 1
     assert max(abs(a - b) for a, b in zip(ours, ref, strict=True)) < 1e-3
@@ -69,17 +69,21 @@ def test_chunked_preempted_and_cached_prompts_score_alike(text_ids: list[int]) -
     chunked_llm.generate({"prompt_token_ids": text_ids}, SamplingParams(max_tokens=1))
     chunked = chunked_llm.generate({"prompt_token_ids": text_ids}, params)[0]
     assert chunked.num_cached_tokens == 0
-    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:], strict=True):
+    for a, b in zip(whole.prompt_token_logprobs[1:], chunked.prompt_token_logprobs[1:],
+                    strict=True):
         assert abs(a - b) < 1e-3
     # KV for both prompts but not for both continuations: one is preempted and recomputes
-    # its prompt, scoring it again.
-    tight = LLM(kv_cache_memory=_blocks_bytes(chunked_llm, 40), max_num_batched_tokens=64)
+    # its prompt, scoring it again (no prefix cache: with it, the second would share the
+    # first's scored blocks instead).
+    tight = LLM(kv_cache_memory=_blocks_bytes(chunked_llm, 40), max_num_batched_tokens=64,
+                enable_prefix_caching=False)
     longer = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     outs = tight.generate([{"prompt_token_ids": text_ids}] * 2, longer)
     assert tight.stats().num_preemptions > 0
     for out in outs:
         assert len(out.prompt_logprobs) == NUM_TOKENS
-        for a, b in zip(whole.prompt_logprobs[1:], out.prompt_logprobs[1:], strict=True):
+        for a, b in zip(whole.prompt_token_logprobs[1:], out.prompt_token_logprobs[1:],
+                        strict=True):
             assert abs(a - b) < 1e-3
     tight.engine.check_integrity()
 
@@ -103,7 +107,7 @@ def test_one_token_prompt_and_bad_values(llm: LLM) -> None:
     out = llm.generate({"prompt_token_ids": [42]}, params)[0]
     assert out.prompt_logprobs == [None]
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=5)
+        SamplingParams(prompt_logprobs=21)
     with pytest.raises(InvalidRequestError, match="at least 2"):
         perplexity(llm, [1])
 

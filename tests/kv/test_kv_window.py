@@ -128,7 +128,7 @@ def test_matches_a_token_by_token_reference_past_the_context(
     out = llm.generate({"prompt_token_ids": ids},
                        SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     want = streaming_reference(tiny, ids, window, sinks)
-    got = out.prompt_logprobs[1:]
+    got = out.prompt_token_logprobs[1:]
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
     llm.engine.check_integrity()
     assert llm.stats().num_blocks_used == 0
@@ -188,8 +188,8 @@ def test_window_mode_over_a_quantized_cache(tiny: str, kv_dtype: str, bound: flo
     full = window_llm(tiny, kv_window=48).generate({"prompt_token_ids": ids}, params)[0]
     llm = window_llm(tiny, kv_window=48, kv_cache_dtype=kv_dtype)
     quantized = llm.generate({"prompt_token_ids": ids}, params)[0]
-    diffs = [abs(a - b) for a, b in zip(full.prompt_logprobs[1:], quantized.prompt_logprobs[1:],
-                                        strict=True)]
+    diffs = [abs(a - b) for a, b in zip(full.prompt_token_logprobs[1:],
+                                        quantized.prompt_token_logprobs[1:], strict=True)]
     assert sum(diffs) / len(diffs) < bound
     assert llm.stats().num_blocks_used == 0
     llm.engine.check_integrity()

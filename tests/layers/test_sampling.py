@@ -87,7 +87,7 @@ def test_greedy_and_penalty_flags() -> None:
         ("stop", ""), ("stop", ["ok", ""]), ("stop", 5), ("stop", ["a", 3]),
         ("stop_token_ids", [1, -1]), ("stop_token_ids", "12"), ("stop_token_ids", [True]),
         ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
-        ("logprobs", 21), ("logprobs", -1), ("logprobs", 1.0), ("prompt_logprobs", 2),
+        ("logprobs", 21), ("logprobs", -1), ("logprobs", 1.0), ("prompt_logprobs", 21),
     ],
 )
 def test_invalid_params_raise_one_line_error_naming_the_field(field: str, value: Any) -> None:

@@ -25,7 +25,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in
     "config sampling_params outputs argtypes",
     "kernels",
     "kv",
-    "semantic",
+    "semantic scoring",
     "layers drafts structured",
     "models",
     "weights",

@@ -4,7 +4,7 @@ storage, the tiers below it and the KV manager over them."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from kvstack.kv.tiers.chain import TierChain, build_tiers
 from kvstack.kv.tiers.codec import BlockFormat
 from kvstack.kv.window import SlidingWindow
 from kvstack.models import CausalLM, family_of
+from kvstack.scoring.store import ScoreStore
 from kvstack.weights import Checkpoint, load_checkpoint
 
 
@@ -40,6 +41,8 @@ class EngineParts:
     kv_manager: KVCacheManager | None = None
     kv_tiers: TierChain | None = None
     blender: Blender | None = None  # chunk cache, blending; None: no KV cache, window, int4
+    # Prompt scores beside the prefix cache's blocks; without one it keeps nothing.
+    score_store: ScoreStore = field(default_factory=ScoreStore.inert)
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
@@ -125,6 +128,12 @@ def _build_kv(parts: EngineParts, config: EngineConfig) -> None:
         HybridKVCacheManager(parts.kv_layout, *args,
                              max_chunk_tokens=config.scheduler.max_num_batched_tokens)
         if parts.kv_layout.is_hybrid else KVCacheManager(*args))
+    if parts.kv_manager.enable_prefix_caching:
+        pool = parts.kv_manager.pool
+        parts.score_store = ScoreStore(parts.kv_manager.block_hashes,
+                                       lambda block_hash: pool.lookup(block_hash) is not None)
+        pool.add_listener(parts.score_store)
+        parts.kv_manager.score_run = parts.score_store.scored_run
     # int4 storage quantizes a block when its last slot is written in order; placing chunks
     # writes slots out of order. The blended step's row filter lives in the Llama layer loop:
     # models with sliding-window layers (Gemma 3) do not blend.

@@ -3,9 +3,10 @@ front ends drive it."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 from kvstack.blend.blender import blend_state
@@ -30,6 +31,7 @@ from kvstack.kv.tiers.base import TierStats
 from kvstack.layers.sampler import Sampler
 from kvstack.outputs import DRAFT, MODEL, RequestOutput
 from kvstack.sampling_params import SamplingParams
+from kvstack.scoring.prompt import PromptScores
 from kvstack.structured import Grammar, StructuredBackend
 
 
@@ -39,13 +41,18 @@ class LLMEngine:
         parts = build_engine(config)
         self.model_config = parts.model_config
         self.model = parts.model
-        self.tokenizer = parts.tokenizer
+        self.tokenizer = tokenizer = parts.tokenizer
+        # A token's text alone (prompt logprobs show it for every alternative): decoded once.
+        self._token_text: Callable[[int], str | None] = (
+            functools.cache(lambda token_id: tokenizer.decode([token_id]))
+            if tokenizer is not None else (lambda token_id: None))
         self.fingerprint = parts.fingerprint
         self.kv_cache_dtype = parts.kv_cache_dtype
         self.window = parts.window
         self.kv_storage = parts.kv_storage
         self.kv_manager = parts.kv_manager
         self.kv_tiers = parts.kv_tiers
+        self.scores = parts.score_store  # prompt scores beside the cached blocks (`scoring/`)
         self.lossy_kv_cache = parts.kv_storage is not None and parts.kv_storage.lossy
         self.info = ModelInfo(
             name=config.model, config=parts.model_config, fingerprint=parts.fingerprint,
@@ -131,6 +138,7 @@ class LLMEngine:
                 sample_index=i,
                 blend=blended,
                 num_scored=min(max(num_scored, 0), len(token_ids)),
+                prompt_scores=self._prompt_scores(sp, token_ids),
             )
             if grammar is not None and self._structured is not None:
                 request.sampling_state.guide = self._structured.guide(grammar, request)
@@ -142,6 +150,12 @@ class LLMEngine:
         for request in [requests[0]] if requests[0].pending_forks else requests:
             self.scheduler.add(request)
         return group
+
+    def _prompt_scores(self, sampling_params: SamplingParams,
+                       token_ids: list[int]) -> PromptScores | None:
+        if sampling_params.prompt_logprobs is None:
+            return None
+        return PromptScores(token_ids, self.config.cache.block_size, self._token_text)
 
     def _max_tokens(self, sampling_params: SamplingParams, num_prompt_tokens: int) -> int:
         max_len = self.max_model_len
@@ -217,14 +231,14 @@ class LLMEngine:
         if self._structured is not None:  # masks computed while the model runs
             self._structured.prepare([s.request.sampling_state.guide for s in batch.scheduled
                                       if s.samples and s.request.sampling_state.guide])
+        self.scores.before_run(s.request for s in batch.scheduled)
         result = self.runner.run(batch)
-        if result.prompt_logprobs is not None:
-            self._record_prompt_logprobs(batch, result.prompt_logprobs)
         # Tokens first (a block's hash needs its tokens), then the computed counts and the
         # blocks they complete, then the finishes: a finished request's blocks are published
         # before they are freed.
         finishing = self._append_samples(batch, result.samples)
         self.scheduler.after_step(batch, [s.num_rejected if s else 0 for s in result.samples])
+        self.scores.after_step(s.request for s in batch.scheduled)
         for request, reason in finishing:
             self.scheduler.finish(request, reason)
             self.requests.pop(request.request_id, None)
@@ -237,20 +251,6 @@ class LLMEngine:
                 if not s.request.finished:
                     propose_drafts(s.request)
         return outputs + self.groups.outputs(parents)
-
-    @staticmethod
-    def _record_prompt_logprobs(
-        batch: SchedulerOutput, scored: list[tuple[int, list[float]] | None]
-    ) -> None:
-        for s, entry in zip(batch.scheduled, scored, strict=True):
-            if entry is None:
-                continue
-            r = s.request
-            if not r.prompt_logprobs:
-                r.prompt_logprobs = [None] * r.num_prompt_tokens
-            first, values = entry
-            # By index, so a preempted request that recomputes its prompt rewrites, not appends.
-            r.prompt_logprobs[first : first + len(values)] = values
 
     def _append_samples(self, batch: SchedulerOutput,
                         samples: list[Sampled | None]) -> list[tuple[Request, str]]:
@@ -385,3 +385,4 @@ class LLMEngine:
     def check_integrity(self) -> None:
         if self.kv_manager is not None:
             self.kv_manager.check_integrity()
+        self.scores.check_integrity()

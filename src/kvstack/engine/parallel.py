@@ -113,7 +113,7 @@ class SampleGroup:
             cumulative_logprob=c.cumulative_logprob if keep else None)
             for i, c in enumerate(ranked)]
         first = self.samples[0]
-        scored = next((r.prompt_logprobs for r in self.samples if r.prompt_logprobs), None)
+        scores = first.prompt_scores  # sample 0 computes the shared prompt
         return RequestOutput(
             request_id=self.request_id,
             prompt=first.prompt,
@@ -122,8 +122,8 @@ class SampleGroup:
             finished=self.finished,
             num_cached_tokens=max(max(r.num_cached_tokens for r in self.samples), 0),
             metrics=self._metrics(),
-            prompt_logprobs=(list(scored or [None] * first.num_prompt_tokens)
-                             if sp.prompt_logprobs is not None else None),
+            prompt_logprobs=(scores.logprobs(sp.prompt_logprobs)
+                             if scores is not None and sp.prompt_logprobs is not None else None),
             num_draft_tokens=0,
             num_accepted_tokens=0,
         )

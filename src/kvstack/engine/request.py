@@ -21,6 +21,7 @@ from kvstack.outputs import (
     RequestMetrics,
 )
 from kvstack.sampling_params import SamplingParams
+from kvstack.scoring.prompt import PromptScores
 
 
 class RequestStatus(enum.Enum):
@@ -42,7 +43,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    prompt_logprobs: list[float | None] = field(default_factory=list)
+    # With prompt_logprobs: the prompt's scores (parallel samples: sample 0's are shown).
+    prompt_scores: PromptScores | None = None
     # Tokens whose K/V sit in this request's blocks (the KV manager holds its block table);
     # advanced only by the scheduler.
     num_computed_tokens: int = 0
@@ -102,7 +104,7 @@ class Request:
 
     @property
     def scores_prompt(self) -> bool:
-        """True when every prompt position must be computed, to score it (prompt logprobs)."""
+        """True when the request scores its prompt (prompt logprobs)."""
         return self.sampling_params.prompt_logprobs is not None
 
     @property

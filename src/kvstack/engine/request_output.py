@@ -59,8 +59,9 @@ def request_output(request: Request) -> RequestOutput:
         finished=request.finished,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         metrics=request.metrics,
-        prompt_logprobs=(list(request.prompt_logprobs or [None] * request.num_prompt_tokens)
-                         if sp.prompt_logprobs is not None else None),
+        prompt_logprobs=(request.prompt_scores.logprobs(sp.prompt_logprobs)
+                         if request.prompt_scores is not None and sp.prompt_logprobs is not None
+                         else None),
         num_draft_tokens=request.num_draft_tokens,
         num_accepted_tokens=request.num_accepted_tokens,
         provenance=request.provenance(),

@@ -42,9 +42,6 @@ class StepResult:
     # One entry per scheduled request; None where the step did not reach a new token
     # (a prefill chunk that is not the last).
     samples: list[Sampled | None]
-    # Per scheduled request: (first prompt index scored, log-probs) when it asked for
-    # prompt logprobs and this step computed prompt positions; else None.
-    prompt_logprobs: list[tuple[int, list[float]] | None] | None = None
 
 
 class ModelRunner:
@@ -75,8 +72,8 @@ class ModelRunner:
         result = StepResult([None] * len(batch.scheduled))
         if any(s.request.num_scored for s in batch.scheduled):
             self._record_scores(batch, hidden)
-        if any(s.request.sampling_params.prompt_logprobs is not None for s in batch.scheduled):
-            result.prompt_logprobs = self._prompt_logprobs(batch, hidden, input_ids)
+        if any(s.request.prompt_scores is not None for s in batch.scheduled):
+            self._score_prompts(batch, hidden)
         if sample_rows.numel():
             self._sample(batch, self.model.compute_logits(hidden[sample_rows]), result)
         return result
@@ -115,26 +112,16 @@ class ModelRunner:
                                         [logprobs[j]] if logprobs is not None else None,
                                         top_logprobs=[top[j]] if top and ks[j] else None)
 
-    def _prompt_logprobs(
-        self, batch: SchedulerOutput, hidden: torch.Tensor, input_ids: torch.Tensor
-    ) -> list[tuple[int, list[float]] | None]:
-        """Score each computed prompt position's successor: row p predicts prompt[p + 1]."""
-        out: list[tuple[int, list[float]] | None] = []
+    def _score_prompts(self, batch: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Each scoring request's rows of this step into its prompt scores (row p scores
+        prompt token p + 1)."""
         row = 0
         for s in batch.scheduled:
-            r = s.request
-            start = r.num_computed_tokens
-            # Positions start .. stop-1 have a prompt successor.
-            stop = min(start + s.num_new_tokens, r.num_prompt_tokens - 1)
-            if r.sampling_params.prompt_logprobs is None or stop <= start:
-                out.append(None)
-            else:
-                logits = self.model.compute_logits(hidden[row : row + stop - start])
-                targets = torch.tensor(r.prompt_token_ids[start + 1 : stop + 1])
-                scores = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])
-                out.append((start + 1, scores[:, 0].tolist()))
+            scores = s.request.prompt_scores
+            if scores is not None and s.request.num_computed_tokens < scores.num_prompt_tokens:
+                scores.score_step(s.request.num_computed_tokens,
+                                  hidden[row:row + s.num_new_tokens], self.model.compute_logits)
             row += s.num_new_tokens
-        return out
 
     def _record_scores(self, batch: SchedulerOutput, hidden: torch.Tensor) -> None:
         """Log-prob rows of the scored prompt positions each request computed this step, into

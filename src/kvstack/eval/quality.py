@@ -85,7 +85,7 @@ def perplexity(llm: LLM, token_ids: Sequence[int], window: int = 1024) -> Perple
     windows = text_windows(token_ids, window)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params)
-    scores = [lp for out in outputs for lp in (out.prompt_logprobs or [])[1:]]
+    scores = [lp for out in outputs for lp in (out.prompt_token_logprobs or [])[1:]]
     if any(lp is None for lp in scores):
         raise AssertionError("engine left a prompt position unscored")
     mean_nll = -math.fsum(scores) / len(scores)

@@ -85,6 +85,8 @@ class KVCacheManager:
         self.tier_hit_tokens = 0
         self.num_copied_blocks = 0  # copy-on-write copies of shared, partly filled blocks
         self.log = PublicationLog()  # what each published block holds, for `snapshot`
+        # Leading blocks a scoring request may take from the cache (`scoring/`); none by default.
+        self.score_run: Callable[[Sequence[BlockHash]], int] = lambda hashes: 0
 
     @property
     def num_blocks(self) -> int:
@@ -99,7 +101,6 @@ class KVCacheManager:
         return blocks if self.window is None else min(blocks, self.window.max_blocks)
 
     # -- a request's table ------------------------------------------------------------------
-
     def _table(self, request_id: str) -> _BlockTable:
         if (table := self._tables.get(request_id)) is None:  # no new object per lookup
             table = self._tables[request_id] = _BlockTable()
@@ -115,8 +116,7 @@ class KVCacheManager:
         return [b.block_id for b in table.blocks] if table else []
 
     def group_block_ids(self, request_id: str) -> list[list[int]]:
-        """The tables of a hybrid layout's other KV groups (`kv/hybrid.py`); none here."""
-        return []
+        return []  # the tables of a hybrid layout's other KV groups (`kv/hybrid.py`)
 
     def block_hashes(self, request_id: str) -> list[BlockHash]:
         """Hashes of the request's full blocks computed so far (from token 0)."""
@@ -131,7 +131,6 @@ class KVCacheManager:
         return (self.fingerprint, cache_salt or "")
 
     # -- admission and growth ---------------------------------------------------------------
-
     def match_prefix(self, request: KVRequest) -> PrefixHit:
         """Longest chain of cached full blocks; the last token is always left to compute.
 
@@ -145,7 +144,9 @@ class KVCacheManager:
         tokens = request.token_ids()
         hashes = hash_full_blocks(tokens, self.block_size, self._salted_keys(request.cache_salt),
                                   table.block_hashes if table else [])
-        max_blocks = 0 if request.scores_prompt else (len(tokens) - 1) // self.block_size
+        max_blocks = (len(tokens) - 1) // self.block_size
+        if request.scores_prompt:
+            max_blocks = min(max_blocks, self.score_run(hashes))
         hit: list[KVBlock] = []
         for block_hash in hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
@@ -345,7 +346,6 @@ class KVCacheManager:
             self.on_free([b.block_id for b in blocks if b.ref_cnt == 0])
 
     # -- the prefix cache beyond requests ---------------------------------------------------
-
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
 

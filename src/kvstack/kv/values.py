@@ -23,7 +23,8 @@ class KVRequest(Protocol):
     def num_tokens(self) -> int: ...
     @property
     def scores_prompt(self) -> bool:
-        """True when every prompt position must be computed (prompt logprobs): no hit."""
+        """True when the request scores its prompt (prompt logprobs): its hit takes only
+        blocks whose scores are kept beside them (`KVCacheManager.score_run`)."""
         ...
 
     def token_ids(self) -> list[int]: ...

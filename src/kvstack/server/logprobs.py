@@ -1,11 +1,12 @@
 """OpenAI's log-probability shapes: chat (`logprobs.content[i]` with its `top_logprobs`) and
-legacy completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`)."""
+legacy completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`), the echoed
+prompt's in the legacy shape, and vLLM's `prompt_logprobs`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvstack.outputs import CompletionOutput
+from kvstack.outputs import CompletionOutput, PromptLogprobs
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -71,10 +72,7 @@ def completion_logprobs(tokens: TokenText, completion: CompletionOutput, start: 
         return None
     ids, values = completion.token_ids[start:], completion.logprobs[start:]
     texts = [tokens(t)[0] for t in ids]
-    offsets = []
-    for text in texts:
-        offsets.append(offset)
-        offset += len(text)
+    offsets = _offsets(texts, offset)
     top = None
     if completion.top_logprobs is not None:
         top = [{tokens(i)[0]: v for i, v in alternatives} | {text: lp}
@@ -82,3 +80,48 @@ def completion_logprobs(tokens: TokenText, completion: CompletionOutput, start: 
                                                  strict=True)]
     return {"tokens": texts, "token_logprobs": values, "top_logprobs": top,
             "text_offset": offsets}
+
+
+def echo_logprobs(tokens: TokenText, prompt_ids: list[int],
+                  prompt_logprobs: PromptLogprobs | None, k: int) -> dict[str, Any]:
+    """A completion's `logprobs` for its echoed prompt (OpenAI's legacy shape): the first
+    token's entries are null; each other's `top_logprobs` maps the k most likely tokens'
+    texts and the token's own to their log-probabilities."""
+    texts = [tokens(t)[0] for t in prompt_ids]
+    entries = prompt_logprobs or [None] * len(prompt_ids)
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    for token, text, entry in zip(prompt_ids, texts, entries, strict=True):
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        values.append(entry[token].logprob)
+        top = {tokens(t)[0]: v.logprob for t, v in entry.items()
+               if t != token and v.rank is not None and v.rank <= k}
+        tops.append(top | {text: entry[token].logprob})
+    return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": _offsets(texts, 0)}
+
+
+def joined(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    """Two consecutive runs of legacy logprobs as one (`then`'s offsets already absolute)."""
+    if then is None:
+        return first
+    return {key: first[key] + (then[key] or []) for key in first}
+
+
+def vllm_prompt_logprobs(prompt_logprobs: PromptLogprobs) -> list[dict[str, Any] | None]:
+    """vLLM's JSON for prompt logprobs: per position null, or token id -> logprob, rank and
+    decoded text."""
+    return [None if entry is None else
+            {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
+             for t, v in entry.items()} for entry in prompt_logprobs]
+
+
+def _offsets(texts: list[str], offset: int) -> list[int]:
+    out = []
+    for text in texts:
+        out.append(offset)
+        offset += len(text)
+    return out

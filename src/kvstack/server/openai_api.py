@@ -19,6 +19,7 @@ from kvstack.engine.tokenizer import check_token_ids
 from kvstack.errors import InvalidRequestError
 from kvstack.sampling_params import SamplingParams
 from kvstack.server.auth import AuthTenant
+from kvstack.server.batch import BatchStream
 from kvstack.server.blend_api import (
     chat_with_documents,
     check_blend_input,
@@ -26,7 +27,7 @@ from kvstack.server.blend_api import (
 )
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
-from kvstack.server.openai_wire import OpenAIWire, ToolUse
+from kvstack.server.openai_wire import OpenAIWire, Prompts, ToolUse
 from kvstack.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -49,6 +50,7 @@ from kvstack.server.tools import (
 )
 
 router = APIRouter()
+_MAX_BATCH = 256  # prompts in one /v1/completions request
 
 
 @router.get("/v1/models")
@@ -79,20 +81,34 @@ async def completions(request: Request, tenant: AuthTenant) -> JSONResponse | St
     blend = None
     if body.segments is not None:
         prompt_ids, blend = completion_segments(state.tokenizer, body.segments, body.blend)
+        batch = [prompt_ids]
     else:
-        prompt_ids = _completion_prompt(state, body.prompt)
-    params = _sampling(state, body, len(prompt_ids), body.max_tokens, default_max_tokens=16,
-                       logprobs=body.logprobs, best_of=body.best_of)
-    echo = state.tokenizer.decode(prompt_ids) if body.echo else ""
+        batch = _completion_prompts(state, body.prompt)
+    shown = _shown_prompts(body, batch)
+    max_tokens = 1 if shown.score_only else body.max_tokens  # the one token is not shown
+    prompt_k = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:  # OpenAI's echo scores the prompt too
+        prompt_k = max(prompt_k or 0, body.logprobs)
+    params = [_sampling(state, body, len(ids), max_tokens, default_max_tokens=16,
+                        logprobs=body.logprobs, best_of=body.best_of, prompt_logprobs=prompt_k)
+              for ids in batch]
     probe = None
-    if state.semantic is not None and body.segments is None:
+    if (state.semantic is not None and body.segments is None and len(batch) == 1
+            and prompt_k is None and not body.echo):
         probe = await state.semantic.probe(tenant, "openai.completions",
-                                           _completion_text(body.prompt), None, params,
+                                           _completion_text(body.prompt), None, params[0],
                                            body.max_tokens, body.semantic_cache,
                                            body.cache_salt)
-    wire = OpenAIWire(state, "cmpl", "text_completion", len(prompt_ids), body, probe, echo)
-    return await _answer(request, state, wire, prompt_ids, params,
-                         tenant.cache_salt(body.cache_salt), body, probe, blend)
+    wire = OpenAIWire(state, "cmpl", "text_completion", sum(map(len, batch)), body, probe,
+                      shown)
+    cache_salt = tenant.cache_salt(body.cache_salt)
+    if len(batch) == 1:
+        return await _answer(request, state, wire, batch[0], params[0], cache_salt, body, probe,
+                             blend)
+    streams = [state.start(ids, p, f"{wire.id}-{i}", cache_salt)
+               for i, (ids, p) in enumerate(zip(batch, params, strict=True))]
+    return await respond(request, BatchStream(wire.id, streams, shown.n), wire,
+                         bool(body.stream), None)
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -142,17 +158,43 @@ async def _answer(request: Request, state: ServerState, wire: OpenAIWire,
 # -- request translation ---------------------------------------------------------------------
 
 
-def _completion_prompt(state: ServerState, prompt: Any) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("prompt is empty; give at least one token of text")
-        return list(state.tokenizer.encode(prompt))
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return check_token_ids(prompt, state.info.vocab_size)
-    raise ApiError(400, "give one prompt per request (a string or a list of token ids)",
-                   param="prompt")
+def _completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+    """The token ids of each prompt: a text, token ids, or a batch (a list of either)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a non-empty list "
+                            "of either", param="prompt")
+    if len(prompt) > _MAX_BATCH:
+        raise ApiError(400, f"a batch holds at most {_MAX_BATCH} prompts, got {len(prompt)}",
+                       param="prompt")
+    batch = []
+    for i, one in enumerate(prompt):
+        if isinstance(one, str):
+            if not one:
+                raise InvalidRequestError(f"prompt {i} is empty; give at least one token of "
+                                          "text")
+            batch.append(list(state.tokenizer.encode(one)))
+        elif isinstance(one, list) and one:
+            batch.append(check_token_ids(one, state.info.vocab_size))
+        else:
+            raise ApiError(400, f"prompt {i} must be a string or a non-empty list of token ids",
+                           param="prompt")
+    return batch
+
+
+def _shown_prompts(body: CompletionRequest, batch: list[list[int]]) -> Prompts:
+    """How the response shows its prompts; refuses what echo cannot answer."""
+    n = body.n or 1
+    if body.echo and max(n, body.best_of or 1) > 1:
+        raise ApiError(400, "echo with n or best_of > 1 is not supported; ask for one choice "
+                            "per prompt", param="echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens 0 only scores the prompt, which needs echo: true",
+                       param="max_tokens")
+    return Prompts(batch, n, bool(body.echo), body.logprobs,
+                   score_only=bool(body.echo) and body.max_tokens == 0)
 
 
 def _completion_text(prompt: Any) -> str | None:
@@ -242,12 +284,14 @@ def _arguments(index: int, function: Any) -> dict[str, Any]:
 def _sampling(state: ServerState, body: OpenAISampling, num_prompt_tokens: int,
               max_tokens: int | None, default_max_tokens: int | None = None,
               logprobs: int | None = None, best_of: int | None = None,
-              tool_use: ToolUse | None = None) -> SamplingParams:
+              tool_use: ToolUse | None = None, prompt_logprobs: int | None = None
+              ) -> SamplingParams:
     tool_constraint = constraint(tool_use.tools, tool_use.choice) if tool_use else None
     return state.sampling_params(
         body, state.max_tokens(max_tokens, num_prompt_tokens, default_max_tokens),
         n=body.n, best_of=best_of, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, stop=body.stop, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,
         structured_outputs=structured_outputs(body, body.response_format,
                                               tool_constraint=tool_constraint),
     )

@@ -10,8 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstack.outputs import CompletionOutput, RequestOutput
+from kvstack.server.batch import part_of
 from kvstack.server.blend_api import blend_usage
-from kvstack.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from kvstack.server.logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    joined,
+    vllm_prompt_logprobs,
+)
 from kvstack.server.protocol import OpenAISampling
 from kvstack.server.responses import sse
 from kvstack.server.semantic_api import Probe
@@ -28,6 +36,29 @@ class ToolUse:
 
 
 @dataclass
+class Prompts:
+    """What a completions response shows of its prompts: their ids (a batch: one per prompt,
+    `n` choices each), echoed or not, and whether only the prompt is scored (`max_tokens` 0
+    with echo: what was generated to finish the request is not shown)."""
+
+    token_ids: list[list[int]]
+    n: int = 1
+    echo: bool = False
+    logprobs: int | None = None  # the request's: with echo, the prompt's too
+    score_only: bool = False
+    _texts: dict[int, str] = field(default_factory=dict)
+
+    def text(self, index: int, tokenizer: Any) -> str:
+        """The echoed text of choice `index`'s prompt ("" without echo)."""
+        if not self.echo:
+            return ""
+        i = index // self.n
+        if i not in self._texts:
+            self._texts[i] = tokenizer.decode(self.token_ids[i])
+        return self._texts[i]
+
+
+@dataclass
 class _Sent:
     """What one streamed choice has sent so far, in tool mode."""
 
@@ -40,7 +71,7 @@ class _Sent:
 
 class OpenAIWire:
     def __init__(self, state: ServerState, prefix: str, obj: str, num_prompt_tokens: int,
-                 body: OpenAISampling, probe: Probe | None, echo: str = "",
+                 body: OpenAISampling, probe: Probe | None, prompts: Prompts | None = None,
                  tool_use: ToolUse | None = None) -> None:
         self.state = state
         self.probe = probe  # the semantic cache's view of this request, if it looked it up
@@ -51,7 +82,8 @@ class OpenAIWire:
         self.created = int(time.time())
         self.num_prompt_tokens = num_prompt_tokens
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        self.echo = echo
+        self.prompts = prompts or Prompts([])
+        self.prompt_logprobs = body.prompt_logprobs is not None  # vLLM's field, shown as is
         self.tool_use = tool_use if tool_use is not None and tool_use.choice.mode != "none" \
             else None
         self.tokens = TokenText(state.tokenizer)
@@ -63,15 +95,19 @@ class OpenAIWire:
     # -- whole ------------------------------------------------------------------------------
 
     def whole(self, out: RequestOutput) -> dict[str, Any]:
-        return {**self._envelope(self.obj), "choices": [self._choice(c) for c in out.outputs],
+        body = {**self._envelope(self.obj), "choices": [self._choice(out, c) for c in out.outputs],
                 "usage": self._usage(out)}
+        return body | (self._chat_prompt_part(out) or {}) if self.chat else body
 
-    def _choice(self, c: CompletionOutput) -> dict[str, Any]:
+    def _choice(self, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
         if not self.chat:
-            choice["text"] = self.echo + c.text
-            choice["logprobs"] = completion_logprobs(self.tokens, c, 0, 0)
-            return choice
+            echo, shown = self.prompts.text(c.index, self.state.tokenizer), self._shown(c)
+            choice["text"] = echo + shown.text
+            completion = completion_logprobs(self.tokens, shown, 0, len(echo))
+            choice["logprobs"] = (joined(self._echo_logprobs(out, c.index), completion)
+                                  if self.prompts.echo and c.logprobs is not None else completion)
+            return choice | self._prompt_part(out, c.index)
         choice["logprobs"] = chat_logprobs(self.tokens, c, 0)
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         calls = self._calls(c) if c.finish_reason == "stop" else None
@@ -88,9 +124,13 @@ class OpenAIWire:
     def opening(self, first: RequestOutput) -> Iterable[str]:
         for c in first.outputs:
             if self.chat:
-                yield self._chunk(c.index, {"role": "assistant", "content": ""}, None, None)
-            elif self.echo:
-                yield self._chunk(c.index, self.echo, None, None)
+                yield self._chunk(c.index, {"role": "assistant", "content": ""}, None, None,
+                                  top=self._chat_prompt_part(first) if c.index == 0 else None)
+            elif self.prompts.echo or self.prompt_logprobs:
+                logprobs = (self._echo_logprobs(first, c.index)
+                            if self.prompts.echo and c.logprobs is not None else None)
+                yield self._chunk(c.index, self.prompts.text(c.index, self.state.tokenizer),
+                                  None, logprobs, self._prompt_part(first, c.index))
 
     def delta(self, out: RequestOutput, completion: CompletionOutput, sent_chars: int,
               sent_tokens: int) -> Iterable[str]:
@@ -98,13 +138,19 @@ class OpenAIWire:
         if self.tool_use is not None:
             yield from self._tool_delta(c)
             return
+        if self.prompts.score_only:
+            if reason:
+                yield self._chunk(c.index, "", reason, None)
+            return
         text = c.text[sent_chars:]
         if text or reason:
             if self.chat:
                 logprobs = chat_logprobs(self.tokens, c, sent_tokens)
                 yield self._chunk(c.index, {"content": text}, reason, logprobs)
             else:
-                logprobs = completion_logprobs(self.tokens, c, sent_tokens, sent_chars)
+                echo = self.prompts.text(c.index, self.state.tokenizer)
+                logprobs = completion_logprobs(self.tokens, c, sent_tokens,
+                                               len(echo) + sent_chars)
                 yield self._chunk(c.index, text, reason, logprobs)
 
     def _tool_delta(self, c: CompletionOutput) -> Iterable[str]:
@@ -175,16 +221,45 @@ class OpenAIWire:
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.state.model_name}
 
-    def _chunk(self, index: int, delta: Any, reason: str | None, logprobs: Any) -> str:
+    def _chunk(self, index: int, delta: Any, reason: str | None, logprobs: Any,
+               extra: dict[str, Any] | None = None, top: dict[str, Any] | None = None) -> str:
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": reason}
         choice["delta" if self.chat else "text"] = delta
-        chunk = {**self._envelope(self._chunk_object), "choices": [choice]}
+        chunk = {**self._envelope(self._chunk_object), "choices": [choice | (extra or {})],
+                 **(top or {})}
         if self.include_usage:
             chunk["usage"] = None
         return sse(chunk)
 
+    # -- scores of the prompt --------------------------------------------------------------
+
+    def _shown(self, c: CompletionOutput) -> CompletionOutput:
+        """The completion as the response shows it: nothing of it when only scoring."""
+        if not self.prompts.score_only:
+            return c
+        return CompletionOutput(c.index, "", [], [] if c.logprobs is not None else None,
+                                c.finish_reason, c.stop_reason,
+                                [] if c.top_logprobs is not None else None)
+
+    def _echo_logprobs(self, out: RequestOutput, index: int) -> dict[str, Any]:
+        part = part_of(out, index, self.prompts.n)
+        return echo_logprobs(self.tokens, self.prompts.token_ids[index // self.prompts.n],
+                             part.prompt_logprobs, self.prompts.logprobs or 0)
+
+    def _prompt_part(self, out: RequestOutput, index: int) -> dict[str, Any]:
+        """A completions choice's `prompt_logprobs` (vLLM's field), when asked for."""
+        part = part_of(out, index, self.prompts.n)
+        if not self.prompt_logprobs or part.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(part.prompt_logprobs)}
+
+    def _chat_prompt_part(self, out: RequestOutput) -> dict[str, Any] | None:
+        if not self.prompt_logprobs or out.prompt_logprobs is None:
+            return None
+        return {"prompt_logprobs": vllm_prompt_logprobs(out.prompt_logprobs)}
+
     def _usage(self, out: RequestOutput) -> dict[str, Any]:
-        num_out = sum(len(c.token_ids) for c in out.outputs)
+        num_out = 0 if self.prompts.score_only else sum(len(c.token_ids) for c in out.outputs)
         usage: dict[str, Any] = {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": num_out,

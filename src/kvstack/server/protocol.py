@@ -116,6 +116,8 @@ class OpenAISampling(ExtraSampling):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: each prompt token's log-probability and its k most likely alternatives.
+    prompt_logprobs: int | None = None
 
 
 class ChatCompletionRequest(OpenAISampling):
