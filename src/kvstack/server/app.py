@@ -19,7 +19,7 @@ from kvstack.engine.async_llm import AsyncLLM
 from kvstack.engine.core import LLMEngine
 from kvstack.engine.llm import LLM
 from kvstack.semantic.cache import SemanticCache
-from kvstack.server import anthropic_api, openai_api, semantic_api, tokens_api
+from kvstack.server import anthropic_api, openai_api, responses_api, semantic_api, tokens_api
 from kvstack.server.auth import KeyRing
 from kvstack.server.body import BodyLimit
 from kvstack.server.engine_client import EngineClient
@@ -66,6 +66,7 @@ def create_app(
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(semantic_api.router)
+    app.include_router(responses_api.router)
     app.include_router(tokens_api.router)
     if state.ui is not None:
         app.include_router(build_router(state.ui))

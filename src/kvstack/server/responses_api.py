@@ -1,0 +1,134 @@
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+
+A request becomes one engine request through the machinery chat completions use: the chat
+template, function tools (server/tools.py; a named `tool_choice` is a required call of that
+tool), `text.format` through server/structured.py, the response lifecycle of
+server/responses.py and the tenant's cache salt. Stored responses (server/responses_store.py)
+belong to their tenant; `previous_response_id` continues one (server/responses_prompt.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvstack.outputs import RequestOutput
+from kvstack.server.auth import AuthTenant, tenant_id
+from kvstack.server.body import parse_body
+from kvstack.server.errors import ApiError
+from kvstack.server.responses import respond
+from kvstack.server.responses_items import (
+    Conversation,
+    ResponsesRequest,
+    input_items,
+    refuse_unsupported,
+    response_format,
+)
+from kvstack.server.responses_prompt import Prompt, build_prompt, request_tools
+from kvstack.server.responses_store import ResponseStore, StoredResponse, token_array
+from kvstack.server.responses_wire import Keep, ResponsesWire
+from kvstack.server.state import ServerState, server_state
+from kvstack.server.structured import structured_outputs
+
+router = APIRouter()
+
+
+@router.post("/v1/responses", response_model=None)
+async def create_response(request: Request,
+                          tenant: AuthTenant) -> JSONResponse | StreamingResponse:
+    state = server_state(request)
+    body = await parse_body(request, ResponsesRequest)
+    state.check_model(body.model)
+    refuse_unsupported(body)
+    store, owner = response_store(request), tenant_id(tenant)
+    previous = None
+    if body.previous_response_id is not None:
+        previous = store.get(owner, body.previous_response_id)
+        if previous is None:
+            raise _not_found(body.previous_response_id, "previous_response_id")
+    tools = request_tools(body)
+    prompt = build_prompt(state.tokenizer, body, tools, previous, input_items(body.input))
+    structured = structured_outputs(body, response_format(body.text),
+                                    tool_constraint=tools.constraint if tools else None)
+    params = state.sampling_params(body, _max_tokens(state, body, prompt),
+                                   structured_outputs=structured)
+    keep = _keeper(store, owner, prompt) if body.store else _forget
+    wire = ResponsesWire(state.model_name, _echo(body), tools.use if tools else None,
+                         len(prompt.token_ids), keep)
+    stream = state.start(prompt.token_ids, params, wire.id, tenant.cache_salt(body.cache_salt))
+    return await respond(request, stream, wire, bool(body.stream), None)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request,
+                       tenant: AuthTenant) -> dict[str, Any]:
+    stored = response_store(request).get(tenant_id(tenant), response_id)
+    if stored is None:
+        raise _not_found(response_id, "response_id")
+    return stored.body
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request,
+                          tenant: AuthTenant) -> dict[str, Any]:
+    if not response_store(request).delete(tenant_id(tenant), response_id):
+        raise _not_found(response_id, "response_id")
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def response_store(request: Request) -> ResponseStore:
+    """The app's store, made on its first use (the app only registers this router)."""
+    store = getattr(request.app.state, "responses_store", None)
+    if store is None:
+        store = request.app.state.responses_store = ResponseStore()
+    return store
+
+
+def _not_found(response_id: str, param: str) -> ApiError:
+    # One message for unknown, deleted, unstored and other tenants' ids alike.
+    return ApiError(404, f"response {response_id!r} not found", param=param)
+
+
+def _max_tokens(state: ServerState, body: ResponsesRequest, prompt: Prompt) -> int | None:
+    context = state.max_model_len
+    if body.previous_response_id is not None and not state.unbounded_context \
+            and len(prompt.token_ids) >= context:
+        raise ApiError(400, f"the conversation continued from previous_response_id is "
+                            f"{len(prompt.token_ids)} tokens with this input, over the model's "
+                            f"context of {context}; start a new conversation",
+                       param="previous_response_id", code="context_length_exceeded")
+    return state.max_tokens(body.max_output_tokens, len(prompt.token_ids))
+
+
+def _keeper(store: ResponseStore, owner: str, prompt: Prompt) -> Keep:
+    def keep(body: dict[str, Any], out: RequestOutput) -> None:
+        completion = out.outputs[0]
+        calls = {item["call_id"] for item in body["output"] if item["type"] == "function_call"}
+        # The output joins the conversation as the model wrote it (its call blocks included),
+        # so the next turn reads the same tokens the prefix cache holds.
+        talk = Conversation([*prompt.conversation.messages,
+                             {"role": "assistant", "content": completion.text}],
+                            prompt.conversation.call_ids | calls)
+        store.put(owner, StoredResponse(body, talk, token_array(prompt.token_ids),
+                                        token_array(completion.token_ids), completion.text))
+    return keep
+
+
+def _forget(body: dict[str, Any], out: RequestOutput) -> None:
+    return None  # store: false keeps nothing
+
+
+def _echo(body: ResponsesRequest) -> dict[str, Any]:
+    """The request's fields a response object repeats."""
+    return {
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls
+        is not False, "previous_response_id": body.previous_response_id,
+        "reasoning": {"effort": None, "summary": None}, "store": body.store,
+        "temperature": body.temperature, "top_p": body.top_p,
+        "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
+        "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+        "truncation": body.truncation or "disabled", "user": body.user, "background": False,
+    }
