@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ from helpers.tiny_models import make_tiny_hf_folder
 
 import kvstack.engine.builder as engine_module
 from kvstack.bench.peers import transformers_model
+from kvstack.kernels import isa
 from kvstack.weights import Checkpoint, load_checkpoint
 
 EMBEDDED = "smollm2-135m"
@@ -55,6 +58,25 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def _kernel_isas() -> list[str]:
+    """The C kernels' implementations to test, best first: each this machine builds and runs,
+    or only the one KVSTACK_KERNELS names; none with it 0 or without a compiler (tests taking
+    `kernel_isa` are then skipped)."""
+    wanted = isa.requested(os.environ.get(isa.ENV, ""))
+    if wanted is None or shutil.which(os.environ.get("CC", "cc")) is None:
+        return []
+    return [name for name in isa.runnable() if wanted in ("best", name)]
+
+
+@pytest.fixture(scope="module", params=_kernel_isas())
+def kernel_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Tests (and module fixtures) taking this run once per C-kernel implementation the CPU
+    executes (AVX-512 and AVX2 on an AVX-512 CPU), with KVSTACK_KERNELS forcing it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(isa.ENV, request.param)
+        yield request.param
 
 
 @pytest.fixture(scope="session")

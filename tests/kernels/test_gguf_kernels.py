@@ -4,7 +4,8 @@ dequantized weight times the activations as the kernel rounds them (int8 per 32-
 awkward shapes; a row's result does not depend on its step or the thread count; shapes and
 types without a kernel are refused; the fallbacks (large steps, kernels off) and the
 embedding row lookup; the embedded model's own Q4_1 and Q8_0 tensors; and the portable C
-path, built without AVX2."""
+path, built without AVX2. Tests of the kernels run once per implementation this CPU executes
+(`kernel_isa`)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,7 @@ from kvstack.kernels.gguf_bench import random_blocks
 from kvstack.weights.resolve import resolve_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-needs_kernels = pytest.mark.skipif(build.load() is None,
-                                   reason="C kernels need x86-64 AVX-512 or AVX2 and cc")
+needs_kernels = pytest.mark.usefixtures("kernel_isa")  # skipped where none can run
 
 TYPES = list(KERNEL_TYPES)
 X8_TYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0]  # repacked 8 rows at a time (gguf_x8.c)
@@ -305,10 +305,7 @@ def test_the_c_kernel_refuses_what_it_cannot_run() -> None:
 @pytest.fixture
 def kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("KVSTACK_KERNELS", "0")
-    build.load.cache_clear()
     yield
-    monkeypatch.delenv("KVSTACK_KERNELS")
-    build.load.cache_clear()
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q6_K], ids=lambda t: t.name)

@@ -1,7 +1,8 @@
 """The C kernels against PyTorch: each product and fused op on awkward shapes, the promise that
 a row's result does not depend on what shares its step, the int8 quantizer's error bound, the
 build's fallback, and the fused decode path of the embedded model against the reference path
-(PyTorch ops only) in every weight format."""
+(PyTorch ops only) in every weight format. Every test runs once per implementation this CPU
+executes (`kernel_isa`: AVX-512 and AVX2 on an AVX-512 CPU)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from kvstack import LLM, SamplingParams
-from kvstack.kernels import build
+from kvstack.kernels import build, isa
 from kvstack.kernels import ops as kops
 from kvstack.kernels.linear import INT8_KERNEL_ROWS, Linear, quantize_int8
 from kvstack.models.llama import rms_norm
 
-pytestmark = [
-    pytest.mark.usefixtures("one_torch_thread"),
-    pytest.mark.skipif(build.load() is None, reason="C kernels need x86-64 AVX-512 or AVX2 and cc"),
-]
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "kernel_isa")
 
 SHAPES = [(1, 576, 960), (3, 577, 13), (16, 64, 8), (5, 1536, 576), (2, 15, 9), (7, 33, 4)]
 
@@ -252,26 +250,25 @@ def test_quantized_decode_attention_matches_sdpa_over_the_dequantized_cache(
         torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
 
 
-def test_status_names_the_instruction_set_built() -> None:
-    flags = set(build._cpu_flags().split())
-    expected = "avx512" if {"avx512f", "avx512bw"} <= flags else "avx2"
-    assert build.isa() == expected
-    name = "AVX-512" if expected == "avx512" else "AVX2+FMA"
-    assert build.status() == f"C kernels: {name}, built"
+def test_status_names_the_instruction_set_built(kernel_isa: str) -> None:
+    assert build.isa() == kernel_isa
+    assert build.status().startswith(f"C kernels: {isa.NAMES[kernel_isa]}, built")
+    flags = isa.cpu_flags()
+    # The dot-product kernels only where both the build and the CPU have the instructions.
+    on = kernel_isa == "avx512"
+    assert build.has_vnni() == (on and "avx512_vnni" in flags)
+    assert build.has_bf16_dot() == (on and "avx512_bf16" in flags)
+    assert ("VNNI" in build.status()) == build.has_vnni()
 
 
-def test_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVSTACK_KERNELS", "0")
-    build.load.cache_clear()
-    try:
-        assert build.load() is None
-        assert not kops.available(torch.float32)
-        assert Linear(torch.ones(4, 4), None, torch.float32)._gemv is None
-        assert build.isa() is None and build.status().startswith("C kernels off")
-    finally:
-        monkeypatch.delenv("KVSTACK_KERNELS")
-        build.load.cache_clear()
-    assert build.load() is not None
+def test_kernels_can_be_turned_off(kernel_isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(isa.ENV, "0")
+    assert build.load() is None
+    assert not kops.available(torch.float32)
+    assert Linear(torch.ones(4, 4), None, torch.float32)._gemv is None
+    assert build.isa() is None and build.status() == "C kernels off: disabled by KVSTACK_KERNELS=0"
+    monkeypatch.setenv(isa.ENV, kernel_isa)  # the setting is read per call: back on at once
+    assert build.isa() == kernel_isa
 
 
 PROMPTS = [
@@ -302,7 +299,8 @@ def test_fp32_fast_path_gives_the_reference_tokens(reference_tokens: list[list[i
 
 def _prompt_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    return torch.tensor(llm.generate({"prompt_token_ids": ids}, params)[0].prompt_logprobs[1:])
+    out = llm.generate({"prompt_token_ids": ids}, params)[0]
+    return torch.tensor(out.prompt_token_logprobs[1:])
 
 
 @pytest.mark.parametrize(("kwargs", "max_ppl_increase", "max_mean_abs"), [

@@ -5,6 +5,7 @@ which the GGUF model's own PyTorch path must match exactly (same weights, same F
 checks the Q/K un-permutation, fusion, the tied embedding used in place and the fallbacks), and
 which its C-kernel path must stay close to: the kernels round activations to int8 per 32-value
 block (as llama.cpp does), an approximation whose measured error the bounds below state.
+Tests of the C-kernel path run once per implementation the CPU executes (`kernel_isa`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvstack.kernels.gguf import ConcatLinear, GGUFLinear
 from kvstack.kernels.linear import Linear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+per_isa = pytest.mark.usefixtures("kernel_isa")
 
 # The embedded model (Q4_1 linears, Q8_0 tied embedding), kernels vs the dequantized reference,
 # teacher-forced over 2 sequences (84 positions, logits up to ~36): measured relative RMS error
@@ -87,6 +89,7 @@ def test_embedded_gguf_torch_path_is_the_dequantized_model(reference: LLM) -> No
 
 
 @pytest.mark.slow
+@per_isa
 def test_embedded_gguf_kernels_close_to_dequantized_reference(reference: LLM) -> None:
     llm = LLM(quantization="gguf", kv_cache_memory="64MiB")
     sequences, num_prompt = embedded_sequences(reference)
@@ -156,6 +159,7 @@ def check_against_reference(path: Path) -> LLM:
     return fast
 
 
+@per_isa
 @pytest.mark.parametrize(("variant", "qtype"), [
     ("gqa", QType.Q4_0), ("qkv_bias", QType.Q8_0), ("tied", QType.Q4_1),
     ("untied", QType.Q8_0), ("mha", QType.Q4_K)], ids=lambda x: getattr(x, "name", x))
@@ -168,6 +172,7 @@ def test_tiny_gguf_matches_dequantized(tmp_path: Path, variant: str, qtype: QTyp
     assert (model.embed is model.lm_head) == (variant == "tied")
 
 
+@per_isa
 def test_mixed_types_and_fallback_notice(tmp_path: Path, caplog: pytest.LogCaptureFixture
                                          ) -> None:
     # q/k Q4_0 with v Q8_0 (as Q4_K_M mixes them) cannot fuse; up as Q5_K has no kernel.

@@ -5,7 +5,8 @@ GGUF files of every tensor type.
 Logits are taken from inside the engine: its scheduler plans the steps, its runner builds the
 batch inputs (positions, slot mapping, block tables), its model runs over its KV storage. The
 known continuation is fed back one token per step (teacher forcing), so decodes see exactly the
-tokens the reference saw.
+tokens the reference saw. Tests whose steps run the C kernels run once per implementation the
+CPU executes (`kernel_isa`: AVX-512 and AVX2 on an AVX-512 CPU); float64 runs PyTorch's ops only.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ TINY_ATOL = 1e-4  # tiny models' logits are ~4; measured 5e-6
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+per_isa = pytest.mark.usefixtures("kernel_isa")
 
 
 # -- the embedded model ------------------------------------------------------------------------
@@ -70,6 +72,7 @@ def embedded_reference(
 
 
 @pytest.mark.slow
+@per_isa
 @pytest.mark.parametrize("max_num_batched_tokens", [2048, 40], ids=["whole", "chunked"])
 def test_embedded_logits_match_transformers(
     embedded_sequences: tuple[list[list[int]], list[int]],
@@ -136,6 +139,7 @@ def tiny_llm(model: Path) -> LLM:
     return LLM(model=str(model), skip_tokenizer_init=True, kv_cache_memory="4MiB")
 
 
+@per_isa
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tiny_variant_logits_match_transformers(tiny_dir: Path, variant: str) -> None:
     folder = tiny_folder(tiny_dir, variant)
@@ -201,6 +205,7 @@ def gguf_prompts() -> list[list[int]]:
     return [s[:n] for s, n in zip(sequences, num_prompt, strict=True)]
 
 
+@per_isa
 @pytest.mark.parametrize(("variant", "qtype"), GGUF_CASES, ids=lambda x: getattr(x, "name", x))
 def test_gguf_runs_exactly_like_transformers_on_its_weights(
     tiny_dir: Path, tmp_path: Path, variant: str, qtype: QType
@@ -219,6 +224,7 @@ def test_gguf_runs_exactly_like_transformers_on_its_weights(
     assert_logits_close(ours, reference_logits(hf, sequences), num_prompt, TINY_ATOL, TINY_ATOL)
 
 
+@per_isa
 @pytest.mark.parametrize(("variant", "qtype"), GGUF_CASES, ids=lambda x: getattr(x, "name", x))
 def test_gguf_stays_within_quantization_error_of_safetensors(
     tiny_dir: Path, tmp_path: Path, variant: str, qtype: QType

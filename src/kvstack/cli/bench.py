@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +37,14 @@ CASES = {
                   "batch 1 and 16",
     "rag": "TTFT of 6 reordered ~300-token documents: full prefill vs prefix cache vs "
            "blending (approximate; KL vs full prefill)",
+    "score": "harness-shaped scoring: 4-choice questions behind a shared preamble, with and "
+             "without the prefix cache vs transformers (tokens computed, wall, exactness)",
 }
 # `all` runs these: the cluster case needs Ray and redis-server and takes most of an hour.
 ALL_CASES = [name for name in CASES if name != "cluster"]
 # bench cluster's runs, in order (kvstack.bench.cluster.RUNS; a test keeps both the same)
+# `bench peers --isa`: kvstack.kernels.isa.ISAS (not imported here: `--help` stays light)
+KERNEL_ISAS = ("avx512", "avx2")
 CLUSTER_RUNS = ("round-robin", "pow2", "ray-prefix", "cache-aware", "oracle",
                 "cache-aware+redis", "round-robin+redis")
 
@@ -74,15 +81,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     peer_batch.add_argument("--peer-max-batch", type=positive_int, default=None, metavar="N",
                             help="throughput: run transformers only up to this concurrency "
                             "(it is the slow side at large batches); default: all")
-    serve_url = argparse.ArgumentParser(add_help=False)
-    serve_url.add_argument("--url", default=None, metavar="URL",
-                           help="load the kvstack server already running at URL (e.g. "
-                           "http://127.0.0.1:8000) instead of starting one")
+    serve_url = _url_flags()
+    kernels = _kernel_flags()
     cluster = _cluster_flags()
     cases = parser.add_subparsers(title="cases", metavar="CASE", dest="case", required=True)
     for name, text in CASES.items():
         parents = [shared, *{"throughput": [peer_batch], "serve": [serve_url],
-                             "cluster": [cluster], "ui": [serve_url]}.get(name, [])]
+                             "cluster": [cluster], "ui": [serve_url],
+                             "peers": [kernels]}.get(name, [])]
         cases.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
                          parents=parents)
     cases.add_parser("all", help="every case in order: " + ", ".join(ALL_CASES),
@@ -102,6 +108,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="where the plots are copied, to be committed with the README")
     parser.set_defaults(run=run)
     return parser
+
+
+def _url_flags() -> argparse.ArgumentParser:
+    serve_url = argparse.ArgumentParser(add_help=False)
+    serve_url.add_argument("--url", default=None, metavar="URL",
+                           help="load the kvstack server already running at URL (e.g. "
+                           "http://127.0.0.1:8000) instead of starting one")
+    return serve_url
+
+
+def _kernel_flags() -> argparse.ArgumentParser:
+    kernels = argparse.ArgumentParser(add_help=False)
+    kernels.add_argument("--isa", choices=KERNEL_ISAS, default=None,
+                         help="run our C kernels' AVX-512 or AVX2 implementation (sets "
+                         "KVSTACK_KERNELS; AVX2 runs on AVX-512 CPUs too; one the CPU lacks is "
+                         "an error); default: KVSTACK_KERNELS, else the best this CPU runs")
+    return kernels
 
 
 def _cluster_flags() -> argparse.ArgumentParser:
@@ -156,8 +179,32 @@ def run(args: argparse.Namespace) -> int:
         sim_tenants=tuple(getattr(args, "sim_tenants", None) or ()),
     )
     names = ALL_CASES if args.case == "all" else [args.case]
-    subject = Subject(options)
-    for name in names:
-        case = importlib.import_module(f"kvstack.bench.{name}")
-        report(case.run(subject, options), options)
+    with _kernels(getattr(args, "isa", None)):
+        subject = Subject(options)
+        for name in names:
+            case = importlib.import_module(f"kvstack.bench.{name}")
+            report(case.run(subject, options), options)
     return 0
+
+
+@contextmanager
+def _kernels(isa: str | None) -> Iterator[None]:
+    """KVSTACK_KERNELS=isa while the cases run (engines read it as they load), checked before
+    any model loads: a CPU without `isa` stops here with the one-line error. The previous
+    setting comes back afterwards (the command may run inside a longer-lived process)."""
+    if isa is None:
+        yield
+        return
+    from kvstack.kernels import build
+    from kvstack.kernels.isa import ENV
+
+    before = os.environ.get(ENV)
+    os.environ[ENV] = isa
+    try:
+        build.load()
+        yield
+    finally:
+        if before is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = before

@@ -1,11 +1,13 @@
-"""Build and load the C kernels (`gemv.c`, `ops.c`, `gguf.c`) with the machine's C compiler,
-once per source and CPU: the library is cached under ~/.cache/kvstack/kernels/<key>/
-(`KVSTACK_CACHE_DIR` moves the cache root), so later processes load it in milliseconds.
+"""Build and load the C kernels (`gemv.c`, `ops.c`, `gguf.c`, `gguf_x8.c`) with the machine's C
+compiler, once per source, instruction set and CPU: the library is cached under
+~/.cache/kvstack/kernels/<isa>-<key>/ (`KVSTACK_CACHE_DIR` moves the cache root), so later
+processes load it in milliseconds.
 
-The kernels need x86-64 with AVX-512 (F, BW) or AVX2 + FMA + F16C; the sources hold one
-implementation for each, chosen by the compiler from the target (`-march=native`). Anywhere
-else, or without a compiler, or with `KVSTACK_KERNELS=0`, `load()` returns None and the model
-uses PyTorch's ops throughout.
+The sources hold two implementations, AVX-512 (F, BW, VL) and AVX2 + FMA + F16C, chosen by the
+compiler from the target flags (`isa.py`). `KVSTACK_KERNELS` picks one (`avx512`, `avx2`; unset:
+the best this CPU runs; `0`: none); a forced one that cannot run here raises
+`KernelsUnavailableError`. Where none runs (not x86-64, no AVX2, no compiler, a failed build)
+and none was forced, `load()` returns None and the model uses PyTorch's ops throughout.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
+from kvstack.kernels import isa as isas
+from kvstack.kernels.isa import KernelsUnavailableError
 from kvstack.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -31,8 +35,6 @@ SOURCES = ("gemv.c", "ops.c", "gguf.c", "gguf_x8.c")
 # included by the sources from their own folder; part of the cache key
 HEADERS = ("avx2.h", "half.h")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_ARCH = ("-march=native",)  # this CPU's instruction set picks the implementation
-_NAMES = {"avx512": "AVX-512", "avx2": "AVX2+FMA"}
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     # x, rows, k, w, n, scale, bias, y, threads
@@ -80,46 +82,34 @@ _PLAIN = {
 }
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _supported() -> str | None:
-    """Why the kernels cannot run here, or None."""
-    if os.environ.get("KVSTACK_KERNELS", "1") == "0":
-        return "disabled by KVSTACK_KERNELS=0"
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"no kernels for {platform.machine()} (x86-64 only)"
-    flags = set(_cpu_flags().split())
-    if not ({"avx512f", "avx512bw"} <= flags or {"avx2", "fma", "f16c"} <= flags):
-        return "this CPU has neither AVX-512 (avx512f, avx512bw) nor AVX2 + FMA + F16C"
+def _best_unavailable() -> str | None:
+    """Why no implementation can run here when none is forced, or None."""
+    machine = platform.machine()
+    if machine not in ("x86_64", "AMD64"):
+        return f"no kernels for {machine} (x86-64 only)"
+    if not isas.runnable():
+        return ("this CPU has neither AVX-512 (avx512f, avx512bw, avx512vl) nor "
+                "AVX2 + FMA + F16C")
     if shutil.which(os.environ.get("CC", "cc")) is None:
         return "no C compiler (cc) on PATH"
     return None
 
 
 def compile_command(sources: list[Path], output: Path | str,
-                    arch: tuple[str, ...] = _ARCH) -> list[str]:
-    """The compiler command that builds `sources` into the shared library `output`; `arch`
-    replaces `-march=native` (the tests build for other targets than this CPU with it)."""
+                    arch: tuple[str, ...]) -> list[str]:
+    """The compiler command that builds `sources` into the shared library `output` for the
+    target flags `arch` (`isa.compile_flags(isa)`; the tests pass other CPUs' -march too)."""
     return [os.environ.get("CC", "cc"), *_FLAGS, *arch, *map(str, sources), "-o", str(output),
             "-lm"]
 
 
-def _build(sources: list[Path], target: Path) -> None:
+def _build(sources: list[Path], target: Path, arch: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = compile_command(sources, tmp)
+        cmd = compile_command(sources, tmp, arch)
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -134,45 +124,65 @@ def expected_symbols() -> set[str]:
     return names | set(_PLAIN)
 
 
-def isa() -> str | None:
-    """Which implementation the loaded library holds: "avx512" or "avx2"; None when off."""
-    lib = load()
-    return lib.kvstack_gemv_isa().decode() if lib is not None else None
+def library_path(isa: str) -> Path:
+    """Where `isa`'s library for these sources and this CPU is cached."""
+    folder = resources.files("kvstack.kernels")
+    code = b"".join(folder.joinpath(name).read_bytes() for name in SOURCES + HEADERS)
+    flags = " ".join(_FLAGS + isas.compile_flags(isa)).encode()
+    key = hashlib.sha256(code + flags + isas.cpu_flags_line().encode()).hexdigest()
+    return cache_root() / "kernels" / f"{isa}-{key[:16]}" / "libkvstack_kernels.so"
 
 
-def has_vnni() -> bool:
-    """AVX512-VNNI (vpdpbusd): int8 decode uses `gemv_q8` (int8 activations) with it."""
-    return "avx512_vnni" in _cpu_flags().split()
-
-
-def has_bf16_dot() -> bool:
-    """AVX512-BF16 (vdpbf16ps): bf16 decode uses `gemv_bf16dp` with it."""
-    return "avx512_bf16" in _cpu_flags().split()
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library `KVSTACK_KERNELS` selects (see `isa.py`), building it on
+    first use; None where the kernels are off. Raises `KernelsUnavailableError` for a forced
+    implementation that cannot run here. Read per call (one dict look-up), so a changed
+    setting takes effect for objects made after it."""
+    return _load_setting(os.environ.get(isas.ENV, ""))
 
 
 @cache
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it on first use; None where it cannot run."""
-    reason = _supported()
-    if reason is not None:
+def _load_setting(setting: str) -> ctypes.CDLL | None:
+    choice = isas.requested(setting)
+    if choice is None:
+        log.info("kvstack C kernels off: disabled by %s=%s", isas.ENV, setting)
+        return None
+    if choice != "best":
+        isas.check_forced(choice)
+        return _open(choice)
+    reason = _best_unavailable()
+    if reason is not None:  # an expected state (another CPU, no compiler): not a warning
         log.info("kvstack C kernels off: %s", reason)
         return None
+    try:
+        return _open(isas.runnable()[0])
+    except KernelsUnavailableError as err:
+        log.warning("kvstack C kernels off: %s", err)
+        return None
+
+
+def _open(isa: str) -> ctypes.CDLL:
+    """`isa`'s library, built if not cached, with every function's signature bound."""
+    target = library_path(isa)
     folder = resources.files("kvstack.kernels")
-    code = b"".join(folder.joinpath(name).read_bytes() for name in SOURCES + HEADERS)
-    flags = " ".join(_FLAGS + _ARCH).encode()
-    key = hashlib.sha256(code + flags + _cpu_flags().encode()).hexdigest()
-    target = cache_root() / "kernels" / key[:16] / "libkvstack_kernels.so"
     try:
         if not target.exists():
             with ExitStack() as stack:
                 paths = [stack.enter_context(resources.as_file(folder.joinpath(name)))
                          for name in SOURCES]
-                _build(paths, target)
+                _build(paths, target, isas.compile_flags(isa))
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", "") or str(err)
-        log.warning("kvstack C kernels off: build failed: %s", detail.strip()[:500])
-        return None
+        detail = " ".join((getattr(err, "stderr", "") or str(err)).split())[:300]
+        raise KernelsUnavailableError(f"C kernels for {isa}: build failed: {detail}") from None
+    _bind(lib)
+    built = lib.kvstack_gemv_isa().decode()
+    if built != isa:  # the flags and the sources' #if disagree: a bug, never run it
+        raise KernelsUnavailableError(f"C kernels for {isa}: the library holds {built} code")
+    return lib
+
+
+def _bind(lib: ctypes.CDLL) -> None:
     for base, argtypes in _SIGNATURES.items():
         for suffix in _SUFFIXES.get(base, ("f32", "bf16")):
             fn = getattr(lib, f"{base}_{suffix}")
@@ -182,16 +192,48 @@ def load() -> ctypes.CDLL | None:
     for name, (argtypes, restype) in _PLAIN.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
-    return lib
+
+
+def isa() -> str | None:
+    """Which implementation the loaded library holds: "avx512" or "avx2"; None when off."""
+    lib = load()
+    return lib.kvstack_gemv_isa().decode() if lib is not None else None
+
+
+def has_vnni() -> bool:
+    """The loaded kernels use AVX512-VNNI (vpdpbusd): int8 decode runs `gemv_q8` (int8
+    activations) with it. False for an AVX2 build, whatever the CPU has."""
+    return isas.dot_products(isa())["vnni"]
+
+
+def has_bf16_dot() -> bool:
+    """The loaded kernels use AVX512-BF16 (vdpbf16ps): bf16 decode runs `gemv_bf16dp`."""
+    return isas.dot_products(isa())["bf16"]
+
+
+def describe() -> dict[str, object]:
+    """What runs, for benchmark records: the setting, the implementation and its compiler
+    flags, the dot-product instructions it uses and the CPU's relevant flags."""
+    built = isa()
+    return {"setting": os.environ.get(isas.ENV, ""), "isa": built,
+            "compile_flags": list(isas.compile_flags(built)) if built else [],
+            "dot_products": isas.dot_products(built), "cpu": isas.cpu_summary()}
 
 
 def status() -> str:
-    """One line for humans: where the kernels come from, or why they are off."""
-    reason = _supported()
-    if reason is not None:
+    """One line for humans: which implementation runs, or why the kernels are off."""
+    try:
+        built = isa()
+    except KernelsUnavailableError as err:
+        return f"C kernels refused: {err}"
+    if built is None:
+        setting = os.environ.get(isas.ENV, "")
+        off = isas.requested(setting) is None
+        reason = (f"disabled by {isas.ENV}={setting}" if off
+                  else _best_unavailable() or "build failed")
         return f"C kernels off: {reason}"
-    built = isa()
-    return f"C kernels: {_NAMES[built]}, built" if built else "C kernels off: build failed"
+    used = [name.upper() for name, on in isas.dot_products(built).items() if on]
+    return f"C kernels: {isas.NAMES[built]}, built" + (f" with {', '.join(used)}" if used else "")
 
 
 if __name__ == "__main__":  # `python -m kvstack.kernels.build`: build now (make install does)

@@ -19,7 +19,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from kvstack.kernels import build
+from kvstack.kernels import build, isa
 
 # Up to this many rows a step streams each weight once through the C kernel (its cost is the
 # weight bytes); above it PyTorch's blocked matmul wins (its cost is FLOPs). Measured here
@@ -74,8 +74,11 @@ class Linear:
             name = "gemv_bf16dp"  # bf16 x bf16 dot products (the activations are bf16)
         self._gemv = getattr(lib, name) if lib is not None else None
         self.kernel = name if lib is not None else None  # which gemv decode steps use
-        # bf16 weights on a CPU without bf16 dot products: see BF16_NO_DOT_KERNEL_ROWS
-        self._widen = name == "gemv_bf16" and lib is not None
+        # bf16 weights on a CPU without bf16 dot products: see BF16_NO_DOT_KERNEL_ROWS. The
+        # CPU's flag, not the kernels' build: PyTorch's bf16 matmul is fast on an AVX512-BF16
+        # CPU even where KVSTACK_KERNELS=avx2 forces the AVX2 kernels.
+        self._widen = (name == "gemv_bf16" and lib is not None
+                       and "avx512_bf16" not in isa.cpu_flags())
         self.max_kernel_rows = (INT8_KERNEL_ROWS if self.scale is not None else
                                 BF16_NO_DOT_KERNEL_ROWS if self._widen else FLOAT_KERNEL_ROWS)
 

@@ -8,6 +8,10 @@ Our `gguf` format runs the GGUF file's own quantized blocks: the same bytes llam
 - batch: 32 distinct ~128-token prompts at once, 64 new tokens each: output tok/s. llama.cpp
   runs single streams only here.
 
+Our engines run the C kernels `KVSTACK_KERNELS` selects (`--isa avx2|avx512` sets it; default:
+the best this CPU runs); the summary line and the JSON's `config.kernels` name the
+implementation, its compiler flags and the CPU's AVX-512 / VNNI / BF16 flags.
+
 Decode reads every weight and the whole KV cache once per step, so it is bound by memory
 bandwidth: achieved = (weight bytes + KV bytes read per step) x steps/s, against this machine's
 read bandwidth measured in the same run (a sum over a 1 GiB tensor, best of 3, before and
@@ -43,6 +47,7 @@ from kvstack.bench.peers.workloads import (
 )
 from kvstack.bench.prefix import document
 from kvstack.errors import UnsupportedModelError
+from kvstack.kernels import build
 from kvstack.units import common_prefix_len
 from kvstack.weights import is_gguf_model
 
@@ -81,6 +86,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     )
     subject.require_context(work.max_len, "the peers benchmark")
     formats = engine_formats(options)
+    kernels = build.describe()  # raises the one-line error for a forced ISA this CPU lacks
     torch.set_num_threads(options.threads)
     # Probed before and after the engines: other jobs' memory traffic lowers a probe, never
     # raises it, so the better of the two is the closer estimate of the bound.
@@ -96,8 +102,8 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     ratios = _ratios(engines)
     return CaseResult(
         case="peers",
-        summary=display.summary(engines, ratios, bandwidth, work),
-        config=_config(options, work, formats),
+        summary=display.summary(engines, ratios, bandwidth, work, kernels),
+        config=_config(options, work, formats) | {"kernels": kernels},
         results={"machine_read_bandwidth_bytes_per_s": bandwidth,
                  "machine_read_bandwidth_probes": probes, "engines": engines,
                  "ratios": ratios, "token_reference": reference},

@@ -24,11 +24,27 @@ def _ours_names(engines: dict[str, dict[str, Any]]) -> list[str]:
     return [k for k in engines if k.startswith("kvstack_")]
 
 
+def kernels_text(kernels: dict[str, Any]) -> str:
+    """Which C kernels ran and what the CPU has, e.g. "C kernels avx2 (CPU: AVX-512 no,
+    VNNI no, BF16 no)"; `kernels` is `kernels.build.describe()`."""
+    cpu, used = kernels["cpu"], kernels["dot_products"]
+    dots = [name.upper() for name in ("vnni", "bf16") if used[name]]
+    name = kernels["isa"] or "off (PyTorch ops)"
+    return (f"C kernels {name}" + (f" with {'+'.join(dots)} dot products" if dots else "")
+            + f" (CPU: AVX-512 {_yes(cpu['avx512'])}, VNNI {_yes(cpu['avx512_vnni'])}, "
+            f"BF16 {_yes(cpu['avx512_bf16'])})")
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
 def summary(engines: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float | None]],
-            bandwidth: float, work: Workloads) -> str:
+            bandwidth: float, work: Workloads, kernels: dict[str, Any]) -> str:
     s = work.sizes
     parts = [
-        f"peers: decode tok/s ({len(work.chat)}-token prompt, {s.decode_new_tokens} new), "
+        f"peers: {kernels_text(kernels)}; decode tok/s ({len(work.chat)}-token prompt, "
+        f"{s.decode_new_tokens} new), "
         f"prefill tok/s ({len(work.document)} tokens), batch-{s.batch} output tok/s; "
         f"x = ours/theirs (transformers fp32, llama.cpp GGUF); bandwidth of "
         f"{fmt(bandwidth / 1e9)} GB/s measured"
