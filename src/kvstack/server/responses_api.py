@@ -39,9 +39,8 @@ router = APIRouter()
 async def create_response(request: Request,
                           tenant: AuthTenant) -> JSONResponse | StreamingResponse:
     state = server_state(request)
-    body = await parse_body(request, ResponsesRequest)
+    body = refuse_unsupported(await parse_body(request, ResponsesRequest))
     state.check_model(body.model)
-    refuse_unsupported(body)
     store, owner = response_store(request), tenant_id(tenant)
     previous = None
     if body.previous_response_id is not None:

@@ -50,9 +50,9 @@ class ResponsesRequest(ExtraSampling):
     top_logprobs: int | None = None
 
 
-def refuse_unsupported(body: ResponsesRequest) -> None:
-    """A 400 for each field whose meaning kvstack cannot honour: silently ignoring one would
-    answer a different question than the one asked."""
+def refuse_unsupported(body: ResponsesRequest) -> ResponsesRequest:
+    """`body`, or a 400 for a field whose meaning kvstack cannot honour: silently ignoring one
+    would answer a different question than the one asked."""
     if body.background:
         raise ApiError(400, "background responses are not supported; send background: false "
                             "and wait for the answer (or stream it)", param="background")
@@ -67,6 +67,7 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
         raise ApiError(400, "truncation 'auto' is not supported: a conversation longer than "
                             "the context is refused, never cut; send truncation: 'disabled'",
                        param="truncation")
+    return body
 
 
 def response_format(text: dict[str, Any] | None) -> ResponseFormat | None:
