@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers.tiny_gemma3 import make_tiny_gemma3_folder
 from helpers.tiny_models import make_tiny_hf_folder
+
 from kvstack import LLM, SamplingParams
 from kvstack.outputs import RequestOutput
 

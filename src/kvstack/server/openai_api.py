@@ -137,7 +137,8 @@ async def chat_completions(request: Request,
                        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                        tool_use=tool_use)
     probe = None
-    if state.semantic is not None and tool_use is None and not body.documents:
+    if (state.semantic is not None and tool_use is None and not body.documents
+            and body.prompt_logprobs is None):  # a replayed answer has no prompt scores
         key_text, context = split_conversation(messages)
         probe = await state.semantic.probe(tenant, "openai.chat", key_text, context, params,
                                            max_tokens, body.semantic_cache, body.cache_salt)
