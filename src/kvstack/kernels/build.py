@@ -236,5 +236,21 @@ def status() -> str:
     return f"C kernels: {isas.NAMES[built]}, built" + (f" with {', '.join(used)}" if used else "")
 
 
+def prebuild() -> list[str]:
+    """Build the library `KVSTACK_KERNELS` selects and, when that is the best one (the setting
+    unset), every other implementation this CPU runs (the per-ISA tests and `--isa` load
+    each); one line per library for humans."""
+    lines = [status()]
+    setting = os.environ.get(isas.ENV, "").strip().lower()
+    if lines[0].startswith("C kernels: ") and setting in isas.BEST:
+        for name in isas.runnable()[1:]:
+            try:
+                _open(name)
+                lines.append(f"C kernels: {isas.NAMES[name]}, built ({isas.ENV}={name})")
+            except KernelsUnavailableError as err:
+                lines.append(f"C kernels: {err}")
+    return lines
+
+
 if __name__ == "__main__":  # `python -m kvstack.kernels.build`: build now (make install does)
-    print(status())
+    print("\n".join(prebuild()))

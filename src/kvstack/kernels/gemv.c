@@ -4,8 +4,9 @@
  * read from memory once for all rows of x, 16 lanes per instruction (8 on AVX2), and the output
  * columns are split between OpenMP threads (the same runtime PyTorch uses).
  *
- * Two implementations, chosen at compile time by the target (-march=native): AVX-512 (F, BW;
- * VNNI and BF16 per function) and AVX2 + FMA. They export the same symbols and signatures.
+ * Two implementations, chosen at compile time by the target flags (kernels/isa.py, one build
+ * each: KVSTACK_KERNELS=avx512|avx2): AVX-512 (F, BW, VL; VNNI and BF16 per function) and
+ * AVX2 + FMA. They export the same symbols and signatures.
  *
  * The reduction order of a row never depends on how many rows x has, so a token's result is
  * the same whatever else shares its step.

@@ -47,7 +47,7 @@ _FLAGS = {
 OPTIONAL = {"avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16"}
 _TUNE = ("-mtune=native",)
 _OFF = ("0", "off")
-_BEST = ("", "1", "native")
+BEST = ("", "1", "native")  # settings that mean "the best this CPU runs"
 
 
 class KernelsUnavailableError(KvstackError):
@@ -97,7 +97,7 @@ def requested(setting: str) -> str | None:
     value = setting.strip().lower()
     if value in _OFF:
         return None
-    if value in _BEST:
+    if value in BEST:
         return "best"
     if value in ISAS:
         return value
