@@ -29,7 +29,8 @@ from kvstack import LLM
 from kvstack.engine.async_llm import AsyncLLM
 from kvstack.server.app import create_app
 from kvstack.server.auth import Tenant, tenant_id
-from kvstack.server.responses_items import Conversation
+from kvstack.server.responses_items import Conversation, ResponsesRequest, input_items
+from kvstack.server.responses_prompt import build_prompt
 from kvstack.server.responses_store import ResponseStore, StoredResponse
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -268,6 +269,24 @@ def test_a_chain_longer_than_the_context_is_a_400(served: Served) -> None:
     assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_a_turn_continues_the_stored_tokens_only_under_the_same_instructions(
+        served: Served) -> None:
+    tokenizer = served.engine.tokenizer
+    first = ResponsesRequest(model=MODEL, input="Hi", instructions="Be brief.")
+    prompt = build_prompt(tokenizer, first, None, None, input_items(first.input))
+    output = tokenizer.encode("Hello!", add_special_tokens=False) + [tokenizer.eos_token_id]
+    talk = Conversation([*prompt.conversation.messages,
+                         {"role": "assistant", "content": "Hello!"}], frozenset())
+    stored = StoredResponse({"id": "r"}, talk, array("i", prompt.token_ids),
+                            array("i", output), "Hello!")
+    for instructions, continued in (("Be brief.", True), ("Be verbose.", False)):
+        turn = ResponsesRequest(model=MODEL, input="Bye", instructions=instructions)
+        again = build_prompt(tokenizer, turn, None, stored, input_items(turn.input))
+        assert again.continued is continued
+        head = [*prompt.token_ids, *output]
+        assert (again.token_ids[:len(head)] == head) is continued
+
+
 def test_json_schema_text_format(served: Served) -> None:
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}},
               "required": ["answer"], "additionalProperties": False}
@@ -307,15 +326,19 @@ def test_an_agent_with_two_tools_over_several_turns(served: Served) -> None:
                   tools=[get_weather, get_time], model=OpenAIResponsesModel(MODEL, client),
                   model_settings=settings("get_weather"))
 
-    async def conversation() -> tuple[Any, Any]:
+    async def conversation() -> tuple[Any, Any, list[str | None]]:
         first = await Runner.run(agent, "What is the weather in Paris?")
-        second = await Runner.run(agent.clone(model_settings=settings("get_time")),
-                                  "And what time is it in Tokyo?",
-                                  previous_response_id=first.last_response_id)
+        second = Runner.run_streamed(agent.clone(model_settings=settings("get_time")),
+                                     "And what time is it in Tokyo?",
+                                     previous_response_id=first.last_response_id)
+        kinds = [getattr(e.data, "type", None) async for e in second.stream_events()
+                 if e.type == "raw_response_event"]
         await client.close()
-        return first, second
+        return first, second, kinds
 
-    first, second = asyncio.run(conversation())
+    first, second, kinds = asyncio.run(conversation())
+    assert {"response.function_call_arguments.done", "response.output_text.delta",
+            "response.completed"} <= set(kinds)
     assert calls == [("get_weather", "Paris"), ("get_time", "Tokyo")]
     assert "18 degrees" in first.final_output
     assert "14:05" in second.final_output
