@@ -271,8 +271,8 @@ BAD_REQUESTS = {
     "bad cache_control ttl": (MSGS, _msgs(system=[{"type": "text", "text": "x", "cache_control":
                                                    {"type": "ephemeral", "ttl": "2d"}}]),
                               400, "ttl"),
-    "two prompts": ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["a", "b"]}).encode(),
-                    400, "one prompt"),
+    "a batch with a bad prompt": ("/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": ["a", ""]}).encode(), 400, "prompt 1 is empty"),
     "token id out of vocabulary": ("/v1/completions", json.dumps(
         {"model": MODEL, "prompt": [1, 10**9]}).encode(), 400, "vocabulary"),
     "body too large": (CHAT, _chat(messages=[{"role": "user", "content": "x" * MAX_BODY}]),

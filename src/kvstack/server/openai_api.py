@@ -15,8 +15,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvstack.blend.params import BlendSpec
 from kvstack.engine.chat import chat_token_ids
-from kvstack.engine.tokenizer import check_token_ids
-from kvstack.errors import InvalidRequestError
 from kvstack.sampling_params import SamplingParams
 from kvstack.server.auth import AuthTenant
 from kvstack.server.batch import BatchStream
@@ -28,6 +26,7 @@ from kvstack.server.blend_api import (
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
 from kvstack.server.openai_wire import OpenAIWire, Prompts, ToolUse
+from kvstack.server.prompt_batch import token_id_batch
 from kvstack.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -83,7 +82,7 @@ async def completions(request: Request, tenant: AuthTenant) -> JSONResponse | St
         prompt_ids, blend = completion_segments(state.tokenizer, body.segments, body.blend)
         batch = [prompt_ids]
     else:
-        batch = _completion_prompts(state, body.prompt)
+        batch = token_id_batch(state, body.prompt, "prompt", _MAX_BATCH)
     shown = _shown_prompts(body, batch)
     max_tokens = 1 if shown.score_only else body.max_tokens  # the one token is not shown
     prompt_k = body.prompt_logprobs
@@ -157,32 +156,6 @@ async def _answer(request: Request, state: ServerState, wire: OpenAIWire,
 
 
 # -- request translation ---------------------------------------------------------------------
-
-
-def _completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
-    """The token ids of each prompt: a text, token ids, or a batch (a list of either)."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                   and all(isinstance(t, int) for t in prompt)):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise ApiError(400, "prompt must be a string, a list of token ids, or a non-empty list "
-                            "of either", param="prompt")
-    if len(prompt) > _MAX_BATCH:
-        raise ApiError(400, f"a batch holds at most {_MAX_BATCH} prompts, got {len(prompt)}",
-                       param="prompt")
-    batch = []
-    for i, one in enumerate(prompt):
-        if isinstance(one, str):
-            if not one:
-                raise InvalidRequestError(f"prompt {i} is empty; give at least one token of "
-                                          "text")
-            batch.append(list(state.tokenizer.encode(one)))
-        elif isinstance(one, list) and one:
-            batch.append(check_token_ids(one, state.info.vocab_size))
-        else:
-            raise ApiError(400, f"prompt {i} must be a string or a non-empty list of token ids",
-                           param="prompt")
-    return batch
 
 
 def _shown_prompts(body: CompletionRequest, batch: list[list[int]]) -> Prompts:
