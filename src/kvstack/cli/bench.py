@@ -88,7 +88,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     for name, text in CASES.items():
         parents = [shared, *{"throughput": [peer_batch], "serve": [serve_url],
                              "cluster": [cluster], "ui": [serve_url],
-                             "peers": [kernels]}.get(name, [])]
+                             "peers": [kernels], "score": [_score_flags()]}.get(name, [])]
         cases.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
                          parents=parents)
     cases.add_parser("all", help="every case in order: " + ", ".join(ALL_CASES),
@@ -125,6 +125,13 @@ def _kernel_flags() -> argparse.ArgumentParser:
                          "KVSTACK_KERNELS; AVX2 runs on AVX-512 CPUs too; one the CPU lacks is "
                          "an error); default: KVSTACK_KERNELS, else the best this CPU runs")
     return kernels
+
+
+def _score_flags() -> argparse.ArgumentParser:
+    score = argparse.ArgumentParser(add_help=False)
+    score.add_argument("--questions", type=positive_int, default=None, metavar="N",
+                       dest="requests", help="4-choice questions scored (default 200)")
+    return score
 
 
 def _cluster_flags() -> argparse.ArgumentParser:
