@@ -54,6 +54,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
         (["serve", "--replicas", "2", "--kv-redis-url", "redis://h:1/0", "--kv-window", "64"],
          "prefix cache"),
         (["serve", "--replicas", "0"], "--replicas"),
+        (["serve", "--responses-pin-ttl", "-1"], "--responses-pin-ttl"),
         (["bench", "cluster", "--requests", "0"], "--requests"),
         (["frobnicate"], "invalid choice"),
         ([], "COMMAND"),

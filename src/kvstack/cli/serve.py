@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from kvstack.argtypes import non_negative_int
 from kvstack.cli.args import add_model_args, byte_size, load_llm, positive_float, positive_int
 from kvstack.errors import InvalidRequestError
 
@@ -53,9 +54,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="largest n (best_of) a request may ask for; its samples share the "
                        "prompt's KV blocks (a larger n gets a 400)")
     group.add_argument("--max-pinned-fraction", type=float, default=0.5, metavar="F",
-                       help="share of the KV pool cache_control pins may hold")
+                       help="share of the KV pool pins may hold (cache_control, stored Responses)")
     group.add_argument("--cache-ttl-scale", type=positive_float, default=1.0, metavar="X",
                        help="multiply cache_control TTLs (5m, 1h) by X, e.g. for tests")
+    group.add_argument("--responses-db", default=None, metavar="PATH",
+                       help="keep stored Responses (/v1/responses) in this SQLite file, so "
+                       "previous_response_id works across restarts (with --kv-disk-dir their "
+                       "KV too); default: in memory")
+    group.add_argument("--responses-pin-ttl", type=non_negative_int, default=300,
+                       metavar="S", help="seconds a stored response's KV blocks stay pinned "
+                       "after each turn (within --max-pinned-fraction; 0: not pinned)")
     group.add_argument("--drain-timeout", type=positive_float, default=None, metavar="S",
                        help="on SIGTERM, cancel requests still running after S seconds "
                        "(default: wait for all)")
@@ -192,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
         semantic=semantic_config(args),
         # The live view reads one engine's block pool; a cluster's ingress has none.
         ui=not args.no_ui and args.replicas is None,
+        responses_db=Path(args.responses_db) if args.responses_db else None,
+        responses_pin_ttl_s=args.responses_pin_ttl,
     )
     if args.replicas is not None:
         from kvstack.cli.serve_cluster import run_cluster

@@ -33,8 +33,8 @@ from kvstack.server.auth import AuthTenant
 from kvstack.server.blend_api import check_blend_input, document_block_text, segment_ids
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
+from kvstack.server.lifecycle import respond
 from kvstack.server.protocol import CacheControl, ContentBlock, MessagesRequest
-from kvstack.server.responses import respond
 from kvstack.server.semantic_api import split_conversation
 from kvstack.server.state import ServerState, server_state
 from kvstack.server.structured import structured_outputs

@@ -1,5 +1,5 @@
 """Anthropic's response shapes: a message whole or as events, with text and `tool_use` content
-blocks and cache usage (see `responses.WireFormat`), and the pinning of `cache_control`
+blocks and cache usage (see `lifecycle.WireFormat`), and the pinning of `cache_control`
 breakpoints once the prompt is computed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from kvstack.blend.params import BlendSpec
 from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.server.blend_api import blend_usage
-from kvstack.server.responses import sse
+from kvstack.server.lifecycle import sse
 from kvstack.server.semantic_api import Probe
 from kvstack.server.state import ServerState
 from kvstack.server.tools import ToolCall, ToolChoice, ToolSpec, ToolStream, new_call_id

@@ -19,11 +19,13 @@ from kvstack.engine.async_llm import AsyncLLM
 from kvstack.engine.core import LLMEngine
 from kvstack.engine.llm import LLM
 from kvstack.semantic.cache import SemanticCache
-from kvstack.server import anthropic_api, openai_api, responses_api, semantic_api, tokens_api
+from kvstack.server import anthropic_api, openai_api, semantic_api, tokens_api
 from kvstack.server.auth import KeyRing
 from kvstack.server.body import BodyLimit
 from kvstack.server.engine_client import EngineClient
 from kvstack.server.errors import error_response, install_handlers
+from kvstack.server.responses import api as responses_api
+from kvstack.server.responses.sqlite_store import open_store
 from kvstack.server.state import ServerConfig, ServerState
 from kvstack.server.ui_host import build_ui
 from kvstack.ui.routes import build_router
@@ -54,12 +56,14 @@ def create_app(
         engine = llm
     try:
         state = _state(engine, keys, config, semantic_cache)
+        responses = open_store(config.responses_db)  # a bad file fails here, not per request
     except BaseException:
         if owned:
             engine.shutdown()
         raise
     app = FastAPI(title="kvstack", version="0.1.0", lifespan=_lifespan(state, owned))
     app.state.kvstack = state
+    app.state.responses_store = responses
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     _add_health_and_metrics(app, state)

@@ -25,6 +25,7 @@ from kvstack.server.blend_api import (
 )
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
+from kvstack.server.lifecycle import respond
 from kvstack.server.openai_wire import OpenAIWire, Prompts, ToolUse
 from kvstack.server.prompt_batch import token_id_batch
 from kvstack.server.protocol import (
@@ -33,7 +34,6 @@ from kvstack.server.protocol import (
     CompletionRequest,
     OpenAISampling,
 )
-from kvstack.server.responses import respond
 from kvstack.server.semantic_api import Probe, split_conversation
 from kvstack.server.state import ServerState, server_state
 from kvstack.server.structured import structured_outputs

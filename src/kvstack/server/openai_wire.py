@@ -1,5 +1,5 @@
 """OpenAI's response shapes: completions and chat completions, whole or as chunks, with n
-choices, log-probabilities and tool calls (see `responses.WireFormat`)."""
+choices, log-probabilities and tool calls (see `lifecycle.WireFormat`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.server.batch import part_of
 from kvstack.server.blend_api import blend_usage
+from kvstack.server.lifecycle import sse
 from kvstack.server.logprobs import (
     TokenText,
     chat_logprobs,
@@ -21,7 +22,6 @@ from kvstack.server.logprobs import (
     vllm_prompt_logprobs,
 )
 from kvstack.server.protocol import OpenAISampling
-from kvstack.server.responses import sse
 from kvstack.server.semantic_api import Probe
 from kvstack.server.state import ServerState
 from kvstack.server.tools import ToolCall, ToolChoice, ToolSpec, ToolStream, new_call_id

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -39,6 +40,8 @@ class ServerConfig:
     cache_ttl_scale: float = 1.0  # multiplies cache_control TTLs ("5m", "1h"); tests shrink it
     semantic: SemanticCacheConfig | None = None  # None: no semantic cache
     ui: bool = True  # serve the live view of the cache at /ui
+    responses_db: Path | None = None  # stored Responses in this SQLite file; None: in memory
+    responses_pin_ttl_s: float = 300.0  # a stored conversation's blocks stay pinned this long
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -49,6 +52,9 @@ class ServerConfig:
             raise InvalidRequestError(
                 f"cache_ttl_scale must be > 0, got {self.cache_ttl_scale}"
             )
+        if not self.responses_pin_ttl_s >= 0:
+            raise InvalidRequestError(
+                f"responses_pin_ttl_s must be >= 0, got {self.responses_pin_ttl_s}")
 
 
 class ServerState:

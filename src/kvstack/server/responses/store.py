@@ -1,9 +1,11 @@
-"""Stored responses (`store: true`, the default), in memory, per tenant and bounded.
+"""Stored responses (`store: true`, the default), per tenant and bounded: in memory, or in
+SQLite (`sqlite_store.py`, `kvstack serve --responses-db`) so they outlive the server.
 
 An entry holds what GET answers and what `previous_response_id` continues from: the response
 object, the conversation so far (every turn's messages, this response's output last, and the
-function calls a later `function_call_output` may answer) and the token ids of its prompt and
-output, so the next turn extends exactly the tokens whose K/V the prefix cache holds.
+function calls a later `function_call_output` may answer), the token ids of its prompt and
+output, so the next turn extends exactly the tokens whose K/V the prefix cache holds, and the
+input items GET /v1/responses/{id}/input_items lists.
 
 Entries are keyed by (tenant, response id): another tenant's id is not found by the same
 lookup that misses an unknown one, so neither its answer nor its timing tells them apart.
@@ -15,10 +17,10 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvstack.errors import InvalidRequestError
-from kvstack.server.responses_items import Conversation
+from kvstack.server.responses.items import Conversation
 
 DEFAULT_MAX_ENTRIES = 1024
 
@@ -30,6 +32,21 @@ class StoredResponse:
     prompt_ids: array[int]  # 4 bytes a token, not a list's 8-byte pointer plus an int object
     output_ids: array[int]
     output_text: str  # the output as the model wrote it (tool call blocks included)
+    # The conversation's items before this response's output, oldest first, in the listed
+    # shape (`listing.py`): earlier turns' inputs and outputs, then this request's input.
+    items: tuple[dict[str, Any], ...] = ()
+
+
+class Store(Protocol):
+    """What the routes need of a store; every method is keyed by the owning tenant."""
+
+    def put(self, owner: str, stored: StoredResponse) -> None: ...
+
+    def get(self, owner: str, response_id: str) -> StoredResponse | None: ...
+
+    def delete(self, owner: str, response_id: str) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 class ResponseStore:
@@ -52,6 +69,9 @@ class ResponseStore:
 
     def delete(self, owner: str, response_id: str) -> bool:
         return self._entries.pop((owner, response_id), None) is not None
+
+    def close(self) -> None:
+        self._entries.clear()
 
 
 def token_array(token_ids: Any) -> array[int]:

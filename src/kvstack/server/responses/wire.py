@@ -1,5 +1,5 @@
 """The Responses API's shapes: a response object whole, or as the typed events the OpenAI SDK
-parses (see `responses.WireFormat`), each with its `sequence_number`.
+parses (see `server.lifecycle.WireFormat`), each with its `sequence_number`.
 
 Output items: one `message` (its text one `output_text` part) and a `function_call` per call.
 Text streams as `response.output_text.delta`s as it becomes certain (a tail that may grow
@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvstack.outputs import CompletionOutput, RequestOutput
+from kvstack.server.lifecycle import sse
 from kvstack.server.openai_wire import ToolUse
-from kvstack.server.responses import sse
 from kvstack.server.tools import ToolStream
 
 Keep = Callable[[dict[str, Any], RequestOutput], None]

@@ -1,10 +1,13 @@
-"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items.
 
 A request becomes one engine request through the machinery chat completions use: the chat
 template, function tools (server/tools.py; a named `tool_choice` is a required call of that
 tool), `text.format` through server/structured.py, the response lifecycle of
-server/responses.py and the tenant's cache salt. Stored responses (server/responses_store.py)
-belong to their tenant; `previous_response_id` continues one (server/responses_prompt.py).
+server/lifecycle.py and the tenant's cache salt. Stored responses (`store.py`, or
+`sqlite_store.py` with `ServerConfig.responses_db`) belong to their tenant;
+`previous_response_id` continues one (`prompt.py`), and a stored conversation's blocks stay
+pinned while it is active (`retention.py`).
 """
 
 from __future__ import annotations
@@ -18,17 +21,19 @@ from kvstack.outputs import RequestOutput
 from kvstack.server.auth import AuthTenant, tenant_id
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
-from kvstack.server.responses import respond
-from kvstack.server.responses_items import (
+from kvstack.server.lifecycle import respond
+from kvstack.server.responses.items import (
     Conversation,
     ResponsesRequest,
     input_items,
     refuse_unsupported,
     response_format,
 )
-from kvstack.server.responses_prompt import Prompt, build_prompt, request_tools
-from kvstack.server.responses_store import ResponseStore, StoredResponse, token_array
-from kvstack.server.responses_wire import Keep, ResponsesWire
+from kvstack.server.responses.listing import listed, page
+from kvstack.server.responses.prompt import Prompt, build_prompt, request_tools
+from kvstack.server.responses.retention import retained
+from kvstack.server.responses.store import Store, StoredResponse, token_array
+from kvstack.server.responses.wire import Keep, ResponsesWire
 from kvstack.server.state import ServerState, server_state
 from kvstack.server.structured import structured_outputs
 
@@ -48,15 +53,21 @@ async def create_response(request: Request,
         if previous is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
     tools = request_tools(body)
-    prompt = build_prompt(state.tokenizer, body, tools, previous, input_items(body.input))
+    items = input_items(body.input)
+    prompt = build_prompt(state.tokenizer, body, tools, previous, items)
     structured = structured_outputs(body, response_format(body.text),
                                     tool_constraint=tools.constraint if tools else None)
     params = state.sampling_params(body, _max_tokens(state, body, prompt),
                                    structured_outputs=structured)
-    keep = _keeper(store, owner, prompt) if body.store else _forget
+    listing = (*_history(previous), *listed(items))
+    keep = _keeper(store, owner, prompt, listing) if body.store else _forget
     wire = ResponsesWire(state.model_name, _echo(body), tools.use if tools else None,
                          len(prompt.token_ids), keep)
-    stream = state.start(prompt.token_ids, params, wire.id, tenant.cache_salt(body.cache_salt))
+    salt = tenant.cache_salt(body.cache_salt)
+    stream = state.start(prompt.token_ids, params, wire.id, salt)
+    if body.store:  # store: false keeps nothing, its blocks included
+        stream = retained(stream, state.engine, prompt.token_ids, salt,
+                          state.config.responses_pin_ttl_s)
     return await respond(request, stream, wire, bool(body.stream), None)
 
 
@@ -69,6 +80,16 @@ async def get_response(response_id: str, request: Request,
     return stored.body
 
 
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, tenant: AuthTenant,
+                           limit: int = 20, order: str = "desc",
+                           after: str | None = None) -> dict[str, Any]:
+    stored = response_store(request).get(tenant_id(tenant), response_id)
+    if stored is None:
+        raise _not_found(response_id, "response_id")
+    return page(stored.items, limit, order, after)
+
+
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request,
                           tenant: AuthTenant) -> dict[str, Any]:
@@ -77,12 +98,19 @@ async def delete_response(response_id: str, request: Request,
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-def response_store(request: Request) -> ResponseStore:
-    """The app's store, made on its first use (the app only registers this router)."""
-    store = getattr(request.app.state, "responses_store", None)
-    if store is None:
-        store = request.app.state.responses_store = ResponseStore()
+def response_store(request: Request) -> Store:
+    """The app's store (`create_app` opens it): in memory, or the SQLite file
+    `ServerConfig.responses_db` names."""
+    store: Store = request.app.state.responses_store
     return store
+
+
+def _history(previous: StoredResponse | None) -> tuple[dict[str, Any], ...]:
+    """The listed items before a continued turn's input: the previous response's own, then
+    its output."""
+    if previous is None:
+        return ()
+    return (*previous.items, *previous.body["output"])
 
 
 def _not_found(response_id: str, param: str) -> ApiError:
@@ -101,7 +129,8 @@ def _max_tokens(state: ServerState, body: ResponsesRequest, prompt: Prompt) -> i
     return state.max_tokens(body.max_output_tokens, len(prompt.token_ids))
 
 
-def _keeper(store: ResponseStore, owner: str, prompt: Prompt) -> Keep:
+def _keeper(store: Store, owner: str, prompt: Prompt,
+            listing: tuple[dict[str, Any], ...]) -> Keep:
     def keep(body: dict[str, Any], out: RequestOutput) -> None:
         completion = out.outputs[0]
         calls = {item["call_id"] for item in body["output"] if item["type"] == "function_call"}
@@ -111,7 +140,8 @@ def _keeper(store: ResponseStore, owner: str, prompt: Prompt) -> Keep:
                              {"role": "assistant", "content": completion.text}],
                             prompt.conversation.call_ids | calls)
         store.put(owner, StoredResponse(body, talk, token_array(prompt.token_ids),
-                                        token_array(completion.token_ids), completion.text))
+                                        token_array(completion.token_ids), completion.text,
+                                        listing))
     return keep
 
 

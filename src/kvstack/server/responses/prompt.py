@@ -20,8 +20,8 @@ from kvstack.engine.chat import chat_token_ids
 from kvstack.sampling_params import StructuredOutputsParams
 from kvstack.server.errors import ApiError
 from kvstack.server.openai_wire import ToolUse
-from kvstack.server.responses_items import Conversation, Message, ResponsesRequest, extend
-from kvstack.server.responses_store import StoredResponse
+from kvstack.server.responses.items import Conversation, Message, ResponsesRequest, extend
+from kvstack.server.responses.store import StoredResponse
 from kvstack.server.tools import (
     ToolChoice,
     ToolSpec,
