@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from helpers.kv_requests import prefill
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -219,12 +220,19 @@ def test_keys_encode_compactly_and_round_trip() -> None:
     assert block_key(h) == int.from_bytes(h[:8], "little") == block_keys([h])[0]
 
 
-def test_router_keys_are_the_engines_block_hashes() -> None:
-    """The ingress must name blocks exactly as KVCacheManager does, salt and fingerprint."""
-    manager = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=True,
+def test_router_keys_are_the_blocks_the_engine_publishes() -> None:
+    """The ingress must name blocks exactly as a replica's KV manager publishes them: same
+    fingerprint, same salt, and a salt or model of its own gives other keys."""
+    manager = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True,
                              fingerprint="fp-1")
     tokens = list(range(23))
-    for salt in (None, "tenant-a"):
-        expected = block_keys(manager.prefix_hashes(tokens, salt))
-        assert request_keys(tokens, Layout("fp-1", 4, "float32"), salt) == expected
-        assert len(expected) == 5
+    layout = Layout("fp-1", 4, "float32")
+    for i, salt in enumerate((None, "tenant-a")):
+        prefill(manager, f"r{i}", tokens, salt)
+        published = block_keys(manager.block_hashes(f"r{i}"))
+        assert request_keys(tokens, layout, salt) == published
+        assert len(published) == 5
+    assert request_keys(tokens, layout, None) != request_keys(tokens, layout, "tenant-a")
+    assert request_keys(tokens, Layout("fp-2", 4, "float32"), None) != request_keys(
+        tokens, layout, None)
+    manager.check_integrity()

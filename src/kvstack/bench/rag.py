@@ -110,7 +110,7 @@ def _arm(subject: Subject, qs: list[list[Any]], name: str, bar: Any, **kwargs: A
         if name == "full_prefill":
             llm.reset_prefix_cache()
         elif name == "blend_disk":  # every query restores its entries from the disk tier
-            llm.engine.blender.cache.clear()
+            llm.reset_chunk_cache()
         out.append(_timed(llm, q, blend))
         bar.update(1)
     llm.engine.check_integrity()

@@ -71,15 +71,14 @@ def _generate(llm: LLM, prompt: list[int], batch: int, new_tokens: int,
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=new_tokens,
                              ignore_eos=mode == "free", structured_outputs=constraint)
               for i in range(batch)]
-    backend = llm.engine._structured
-    prepare = backend.prepare if backend is not None else None
-    if mode == "inline" and backend is not None:
-        backend.prepare = lambda guides: None  # type: ignore[method-assign]
+    backend = llm.engine.structured
+    if backend is not None:
+        backend.overlap = mode != "inline"
     try:
         outs = llm.generate([{"prompt_token_ids": prompt}] * batch, params)
     finally:
-        if backend is not None and prepare is not None:
-            backend.prepare = prepare  # type: ignore[method-assign]
+        if backend is not None:
+            backend.overlap = True
     tpots = []
     for out in outs:
         rate = out.metrics.decode_rate(len(out.outputs[0].token_ids))

@@ -97,6 +97,10 @@ class Blender:
         self.counters = BlendCounters()
         self._pending: OrderedDict[bytes, list[int]] = OrderedDict()
 
+    def reset_cache(self) -> int:
+        """Drop the chunk entries held in memory (the tiers keep theirs); returns how many."""
+        return self.cache.clear()
+
     # -- admission --------------------------------------------------------------------------
 
     def request_state(self, spec: BlendSpec, token_ids: Sequence[int], cache_salt: str | None,

@@ -25,19 +25,15 @@ from kvstack.cluster.scoring import (
     rank_cache_aware,
 )
 from kvstack.cluster.waiting import HeldRequests
-from kvstack.kv.block_hash import hash_full_blocks
+from kvstack.kv.block_hash import request_block_hashes
 
 
 def request_keys(token_ids: Sequence[int], layout: Layout, cache_salt: str | None
                  ) -> list[BlockKey]:
-    """The index keys of a prompt's full blocks, as an engine with `layout` hashes them.
-
-    The extra keys must stay those of KVCacheManager._salted_keys (fingerprint, salt); a test
-    checks both agree.
-    """
-    hashes = hash_full_blocks(list(token_ids), layout.block_size,
-                              (layout.fingerprint, cache_salt or ""), [])
-    return block_keys(hashes)
+    """The index keys of a prompt's full blocks, as an engine with `layout` hashes them
+    (`request_block_hashes`, the KV manager's own naming)."""
+    return block_keys(request_block_hashes(token_ids, layout.block_size, layout.fingerprint,
+                                           cache_salt))
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ class LLMEngine:
                                   parts.kv_layout)
         self.requests: dict[str, Request] = {}
         self.groups = SampleGroups(completion_output)  # parallel samples, by the caller's id
-        self._structured: StructuredBackend | None = None  # built on the first constraint
+        self.structured: StructuredBackend | None = None  # built on the first constraint
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -140,8 +140,8 @@ class LLMEngine:
                 num_scored=min(max(num_scored, 0), len(token_ids)),
                 prompt_scores=self._prompt_scores(sp, token_ids),
             )
-            if grammar is not None and self._structured is not None:
-                request.sampling_state.guide = self._structured.guide(grammar, request)
+            if grammar is not None and self.structured is not None:
+                request.sampling_state.guide = self.structured.guide(grammar, request)
             requests.append(request)
         if len(ids) == 1:
             self.scheduler.add(requests[0])
@@ -170,10 +170,10 @@ class LLMEngine:
         """The request's compiled constraint (llguidance, loaded on first use), if any."""
         if sampling_params.structured_outputs is None:
             return None
-        if self._structured is None:
-            self._structured = StructuredBackend.for_tokenizer(
+        if self.structured is None:
+            self.structured = StructuredBackend.for_tokenizer(
                 self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        return self._structured.compile(sampling_params.structured_outputs)
+        return self.structured.compile(sampling_params.structured_outputs)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -228,9 +228,9 @@ class LLMEngine:
         for s in batch.scheduled:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
-        if self._structured is not None:  # masks computed while the model runs
-            self._structured.prepare([s.request.sampling_state.guide for s in batch.scheduled
-                                      if s.samples and s.request.sampling_state.guide])
+        if self.structured is not None:  # masks computed while the model runs
+            self.structured.prepare([s.request.sampling_state.guide for s in batch.scheduled
+                                     if s.samples and s.request.sampling_state.guide])
         self.scores.before_run(s.request for s in batch.scheduled)
         result = self.runner.run(batch)
         # Tokens first (a block's hash needs its tokens), then the computed counts and the

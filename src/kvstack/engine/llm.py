@@ -279,6 +279,11 @@ class LLM:
         """Drop every cached block not in use (e.g. after reloading weights)."""
         return self.engine.reset_prefix_cache()
 
+    def reset_chunk_cache(self) -> int:
+        """Drop the blend chunk entries held in memory (the tiers keep theirs, so later
+        requests restore them from there); returns how many."""
+        return self.engine.blender.reset_cache() if self.engine.blender is not None else 0
+
     def warm(self, prompt: PromptType, cache_salt: str | None = None) -> int:
         """Precompute a prompt's KV into the tiers (a named prompt cache, e.g. a document that
         later requests start with); returns how many tokens the tiers hold for it."""

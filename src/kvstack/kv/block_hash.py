@@ -39,3 +39,19 @@ def hash_full_blocks(
         parent = hashes[-1] if hashes else None
         hashes.append(hash_block(parent, token_ids[start : start + block_size], extra_keys))
     return hashes
+
+
+def request_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    fingerprint: str,
+    cache_salt: str | None,
+    known: Sequence[BlockHash] = (),
+) -> list[BlockHash]:
+    """The hashes of a request's full blocks, as every holder of the prefix cache names them.
+
+    The extra keys are the model's fingerprint and the request's cache salt, so blocks are
+    shared only within one model and one tenant. The KV manager and the cluster router both
+    call this: a router that hashed otherwise would predict hits no replica has.
+    """
+    return hash_full_blocks(token_ids, block_size, (fingerprint, cache_salt or ""), list(known))

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvstack.kv.block_hash import BlockHash, hash_full_blocks
+from kvstack.kv.block_hash import BlockHash, request_block_hashes
 from kvstack.kv.block_pool import BlockPool, KVBlock
 from kvstack.kv.integrity import check_holders
 from kvstack.kv.pins import PinRegistry
@@ -127,9 +127,6 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         return table.num_dropped_blocks if table else 0
 
-    def _salted_keys(self, cache_salt: str | None) -> tuple[str, ...]:
-        return (self.fingerprint, cache_salt or "")
-
     # -- admission and growth ---------------------------------------------------------------
     def match_prefix(self, request: KVRequest) -> PrefixHit:
         """Longest chain of cached full blocks; the last token is always left to compute.
@@ -142,8 +139,8 @@ class KVCacheManager:
         # A preempted request kept its hashes; nothing is stored for one not admitted yet.
         table = self._tables.get(request.request_id)
         tokens = request.token_ids()
-        hashes = hash_full_blocks(tokens, self.block_size, self._salted_keys(request.cache_salt),
-                                  table.block_hashes if table else [])
+        hashes = request_block_hashes(tokens, self.block_size, self.fingerprint,
+                                      request.cache_salt, table.block_hashes if table else [])
         max_blocks = (len(tokens) - 1) // self.block_size
         if request.scores_prompt:
             max_blocks = min(max_blocks, self.score_run(hashes))
@@ -274,9 +271,9 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens, limit) // self.block_size
         if len(table.block_hashes) < num_full:
             # Runs once per newly full block, not every step: no copy of the sequence otherwise.
-            table.block_hashes = hash_full_blocks(
+            table.block_hashes = request_block_hashes(
                 request.tokens_between(0, num_full * self.block_size), self.block_size,
-                self._salted_keys(request.cache_salt), table.block_hashes,
+                self.fingerprint, request.cache_salt, table.block_hashes,
             )
         published = []
         bs = self.block_size
@@ -351,8 +348,7 @@ class KVCacheManager:
 
     def prefix_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
         """Hashes of the full blocks of a prompt, as a request with this salt would get them."""
-        return hash_full_blocks(list(token_ids), self.block_size, self._salted_keys(cache_salt),
-                                [])
+        return request_block_hashes(token_ids, self.block_size, self.fingerprint, cache_salt)
 
     def cached_run(self, hashes: Sequence[BlockHash]) -> list[tuple[int, BlockHash]]:
         """(block id, hash) of the leading blocks of `hashes` in the memory prefix cache."""

@@ -99,20 +99,20 @@ async def run(service: UiService, viewer: Viewer, params: SamplingParams,
     """The events of one playground request (the prompt is tokenized and checked already)."""
     host = service.host
     request_id = f"ui-{uuid.uuid4().hex}"
-    yield sse("prompt", _json({"request_id": request_id, "pieces": pieces}))
+    yield sse("prompt", compact_json({"request_id": request_id, "pieces": pieces}))
     stream = None
     try:
         stream = host.start(ids, params, request_id, viewer.salt)
         out = await stream.next()
-        yield sse("admitted", _json({
+        yield sse("admitted", compact_json({
             "provenance": [list(r) for r in out.provenance.prompt],
             "num_cached_tokens": out.num_cached_tokens, "ttft_ms": _ms(out.metrics.ttft)}))
         async for event in _outputs(stream, out, host.engine.tokenizer, ids):
             yield event
     except KvstackError as err:
-        yield sse("error", _json({"message": " ".join(str(err).split())}))
+        yield sse("error", compact_json({"message": " ".join(str(err).split())}))
     except Exception as err:  # noqa: BLE001 - the page shows it; the stream must end cleanly
-        yield sse("error", _json({"message": f"internal error: {type(err).__name__}"}))
+        yield sse("error", compact_json({"message": f"internal error: {type(err).__name__}"}))
     finally:
         if stream is not None:
             stream.close()
@@ -125,7 +125,7 @@ async def _outputs(stream: Any, out: RequestOutput, tokenizer: Any,
     while True:
         token_ids = out.outputs[0].token_ids
         if len(token_ids) > sent:
-            yield sse("tokens", _json({
+            yield sse("tokens", compact_json({
                 "pieces": [detok.add(t) for t in token_ids[sent:]],
                 "sources": source_slice(out.provenance.output, sent, len(token_ids))}))
             sent = len(token_ids)
@@ -133,12 +133,13 @@ async def _outputs(stream: Any, out: RequestOutput, tokenizer: Any,
             break
         out = await stream.next()
     m = out.metrics
-    yield sse("done", _json({
+    yield sse("done", compact_json({
         "finish_reason": out.outputs[0].finish_reason, "ttft_ms": _ms(m.ttft),
         "tpot_ms": _ms(m.tpot), "num_output_tokens": sent,
         "num_draft_tokens": out.num_draft_tokens, "num_accepted_tokens": out.num_accepted_tokens,
         "provenance": _provenance(out.provenance)}))
 
 
-def _json(value: Any) -> str:
+def compact_json(value: Any) -> str:
+    """One line of JSON, unescaped text (the page's API bodies and event data)."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

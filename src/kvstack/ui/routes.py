@@ -87,7 +87,7 @@ def build_router(service: UiService) -> APIRouter:
         viewer = _viewer(service, request) if presented else service.host.authorize(request)
         body = {"auth_required": service.host.auth_required, "model": service.host.model_name,
                 "viewer": viewer.public() if viewer else None}
-        return Response(playground._json(body), media_type="application/json",
+        return Response(playground.compact_json(body), media_type="application/json",
                         headers=SECURITY_HEADERS)
 
     @router.get("/ui/api/events")
@@ -97,7 +97,7 @@ def build_router(service: UiService) -> APIRouter:
     @router.get("/ui/api/state")
     async def state(request: Request) -> Response:
         body = await service.state(_viewer(service, request))
-        return Response(playground._json(body), media_type="application/json",
+        return Response(playground.compact_json(body), media_type="application/json",
                         headers=SECURITY_HEADERS)
 
     @router.post("/ui/api/playground")
