@@ -39,6 +39,9 @@ CASES = {
            "blending (approximate; KL vs full prefill)",
     "score": "harness-shaped scoring: 4-choice questions behind a shared preamble, with and "
              "without the prefix cache vs transformers (tokens computed, wall, exactness)",
+    "agent": "an agent loop (~1,500-token system prompt + tools, 12 turns of ~150-token tool "
+             "results, 4 conversations): Responses with previous_response_id vs chat resending "
+             "the history, prefix cache on and off (TTFT per turn); idle ones resumed from disk",
 }
 # `all` runs these: the cluster case needs Ray and redis-server and takes most of an hour.
 ALL_CASES = [name for name in CASES if name != "cluster"]
