@@ -42,11 +42,6 @@ def format_row(result: SimResult) -> str:
     return " | ".join(fmt.format(getattr(result, name)) for name, fmt in _COLUMNS)
 
 
-def format_results(results: list[SimResult]) -> str:
-    header = " | ".join(name for name, _ in _COLUMNS)
-    return "\n".join([header, *(format_row(r) for r in results)])
-
-
 def mean_prompt_tokens(config: TraceConfig) -> float:
     prefixed = sum(config.prefix_tokens) / 2 + sum(config.question_tokens) / 2
     unique = sum(config.unique_tokens) / 2

@@ -131,7 +131,7 @@ def _acceptance(subject: Subject, options: BenchOptions, llm: LLM) -> dict[str, 
     share = (sum(r["accepted"] for r in paraphrases)
              / max(1, sum(r["drafted"] for r in paraphrases)))
     return {"pairs": rows, "paraphrase_acceptance": share,
-            "best_verify_threshold": best_threshold(rows, ANSWER_TOKENS)}
+            "best_verify_threshold": best_threshold(rows)}
 
 
 # -- prompt lookup -----------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def quote_prompts(subject: Subject, quick: bool) -> dict[str, list[list[int]]]:
     return {"quotes a document": quoting, "copies nothing": chats}
 
 
-def best_threshold(rows: list[dict[str, Any]], answer_tokens: int) -> float | None:
+def best_threshold(rows: list[dict[str, Any]]) -> float | None:
     """The verify threshold that saves the most decode steps over the pairs: a pair at or
     above it is a hit whose accepted tokens save a step each, while its rejected ones cost
     REJECTED_TOKEN_COST of a step; below it the model decodes as with the cache off."""

@@ -286,7 +286,3 @@ class ResidentIndex:
 
     def num_blocks(self, name: str) -> int:
         return len(self._replicas[name].keys)
-
-    def snapshot_seq(self, name: str) -> tuple[str | None, int]:
-        replica = self._replicas[name]
-        return replica.epoch, replica.seq

@@ -58,10 +58,6 @@ class KeyRing:
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    @property
-    def has_admin(self) -> bool:
-        return self._admin is not None
-
     def viewer(self, presented: str | None) -> Viewer | None:
         """Who a presented key shows the live view to: the admin, a tenant, or (without API
         keys) the open server's public; None for a key that is no one's."""

@@ -126,9 +126,6 @@ class ServerState:
         return Generation(self.engine, self.metrics, prompt_token_ids, sampling_params,
                           request_id, cache_salt, draft, blend)
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.kvstack
