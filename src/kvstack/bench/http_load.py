@@ -71,21 +71,21 @@ def server_process(options: BenchOptions, kv_bytes: int, max_num_seqs: int
     with tempfile.TemporaryDirectory(prefix="kvstack-bench-serve-") as tmp:
         log_path = Path(tmp) / "server.log"
         for _ in range(3):  # the free port may be taken before the server binds it
-            port = _free_port()
+            port = free_port()
             with log_path.open("wb") as log:
                 proc = subprocess.Popen(_serve_command(options, port, kv_bytes, max_num_seqs),
                                         stdout=log, stderr=subprocess.STDOUT,
                                         env=_same_kvstack_env())
             try:
                 url = f"http://127.0.0.1:{port}"
-                if _wait_healthy(url, proc):
+                if wait_healthy(url, proc):
                     yield url, proc
                     return
                 text = log_path.read_text(errors="replace")
                 if "address already in use" not in text.lower():
                     raise RuntimeError(f"kvstack serve did not come up; log:\n{text[-4000:]}")
             finally:
-                _stop(proc)
+                stop_process(proc)
         raise RuntimeError("no free port found for kvstack serve")
 
 
@@ -114,29 +114,31 @@ def _same_kvstack_env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, route: str = "/health") -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        return httpx.get(f"{url}{route}", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> bool:
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], route: str = "/health") -> bool:
+    """Whether `url` answers 200 on `route` before START_TIMEOUT_S or the process's exit."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
-        if _healthy(url):
+        if _healthy(url, route):
             return True
         time.sleep(0.25)
     return False
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (in-flight requests drain), then SIGKILL after STOP_TIMEOUT_S."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:

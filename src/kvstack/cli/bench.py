@@ -37,14 +37,18 @@ CASES = {
                   "batch 1 and 16",
     "rag": "TTFT of 6 reordered ~300-token documents: full prefill vs prefix cache vs "
            "blending (approximate; KL vs full prefill)",
+    "load": "guidellm load on `kvstack serve` and llama.cpp's server on the same GGUF file: "
+            "TTFT, ITL, TPOT and tok/s at 1/4/16 streams, completions (~800 and ~2,000 tokens "
+            "of context) and multi-turn chat behind shared prefixes",
     "score": "harness-shaped scoring: 4-choice questions behind a shared preamble, with and "
              "without the prefix cache vs transformers (tokens computed, wall, exactness)",
     "agent": "an agent loop (~1,500-token system prompt + tools, 12 turns of ~150-token tool "
              "results, 4 conversations): Responses with previous_response_id vs chat resending "
              "the history, prefix cache on and off (TTFT per turn); idle ones resumed from disk",
 }
-# `all` runs these: the cluster case needs Ray and redis-server and takes most of an hour.
-ALL_CASES = [name for name in CASES if name != "cluster"]
+# `all` runs these: the cluster case needs Ray and redis-server and takes most of an hour; load
+# runs two servers under guidellm for about 20 minutes (`make bench-load`, with its peer).
+ALL_CASES = [name for name in CASES if name not in ("cluster", "load")]
 # bench cluster's runs, in order (kvstack.bench.cluster.RUNS; a test keeps both the same)
 # `bench peers --isa`: kvstack.kernels.isa.ISAS (not imported here: `--help` stays light)
 KERNEL_ISAS = ("avx512", "avx2")
@@ -91,7 +95,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     for name, text in CASES.items():
         parents = [shared, *{"throughput": [peer_batch], "serve": [serve_url],
                              "cluster": [cluster], "ui": [serve_url],
-                             "peers": [kernels], "score": [_score_flags()]}.get(name, [])]
+                             "peers": [kernels], "score": [_score_flags()],
+                             "load": [_load_flags()]}.get(name, [])]
         cases.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
                          parents=parents)
     cases.add_parser("all", help="every case in order: " + ", ".join(ALL_CASES),
@@ -135,6 +140,13 @@ def _score_flags() -> argparse.ArgumentParser:
     score.add_argument("--questions", type=positive_int, default=None, metavar="N",
                        dest="requests", help="4-choice questions scored (default 200)")
     return score
+
+
+def _load_flags() -> argparse.ArgumentParser:
+    load = argparse.ArgumentParser(add_help=False)
+    load.add_argument("--duration", type=positive_float, default=None, metavar="S",
+                      help="seconds guidellm runs each concurrency level (default 60)")
+    return load
 
 
 def _cluster_flags() -> argparse.ArgumentParser:
@@ -187,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         rate=getattr(args, "rate", None),
         sim_replicas=tuple(getattr(args, "sim_replicas", None) or ()),
         sim_tenants=tuple(getattr(args, "sim_tenants", None) or ()),
+        duration=getattr(args, "duration", None),
     )
     names = ALL_CASES if args.case == "all" else [args.case]
     with _kernels(getattr(args, "isa", None)):
