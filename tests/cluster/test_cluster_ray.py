@@ -153,6 +153,12 @@ def _replica_actor(name: str) -> Any:
     raise AssertionError(f"no actor for replica {name}")
 
 
+def _queued_prefills(rc: RayCluster, name: str) -> int:
+    """Requests whose prefill `name` has still to compute, as its last load report says."""
+    replica = next(r for r in rc.cluster()["replicas"] if r["name"] == name)
+    return int(replica.get("load", {}).get("queued_requests", 0))
+
+
 def _stream(rc: RayCluster, path: str, body: dict[str, Any], out: list[str],
             first: threading.Event) -> None:
     with httpx.Client(base_url=rc.url, timeout=600) as client, \
@@ -189,7 +195,11 @@ def test_a_killed_replica_ends_its_streams_retries_and_restores_from_redis(
     late = threading.Thread(target=lambda: result.update(rc.chat(doc, tail, max_tokens=8)))
     retries = rc.cluster()["ingress"]["retries"]
     late.start()
-    time.sleep(1.0)
+    # Kill `home` once its load report shows the late request's prefill queued there.
+    deadline = time.monotonic() + 120
+    while _queued_prefills(rc, home) < 1:
+        assert time.monotonic() < deadline and late.is_alive(), "the late request never queued"
+        time.sleep(0.05)
     ray.kill(_replica_actor(home), no_restart=True)
     killed_at = time.monotonic()
     for t in threads:

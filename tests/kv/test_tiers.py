@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.clock import FakeClock
 from helpers.redis_server import RedisServer, redis_server, start_redis  # noqa: F401
 
 import kvstack
@@ -285,12 +286,13 @@ def test_redis_down_or_slow_is_a_miss(tmp_path: Path) -> None:
 
 def test_redis_restart_loses_blocks_then_recovers(redis_server: RedisServer) -> None:  # noqa: F811
     fmt = small_format()
-    tier = RedisTier(redis_server.url, FP, retry_after_s=0.05)
+    clock = FakeClock()
+    tier = RedisTier(redis_server.url, FP, retry_after_s=0.05, clock=clock)
     h, data = block(fmt, 1)
     assert tier.store(h, data) and tier.lookup([h]) == 1
     redis_server.restart()
     assert tier.lookup([h]) == 0  # a stale connection or an empty server: a miss either way
-    time.sleep(0.1)
+    clock.advance(0.1)
     assert tier.store(h, data) and tier.lookup([h]) == 1
 
 
@@ -537,7 +539,8 @@ def test_redis_down_slow_and_restarted_engine_output_unchanged(
         _ask(llm, cold)
         assert llm.tier_stats()["redis"].faults.get("timeout", 0) >= 1
 
-    with LLM(**ENGINE, kv_redis_url=redis_server.url) as llm:
+    clock = FakeClock()
+    with LLM(**ENGINE, kv_redis_url=redis_server.url, clock=clock) as llm:
         tier = llm.engine.kv_tiers.tiers[0]
         tier.retry_after_s = 0.05
         assert llm.warm({"prompt_token_ids": cold["doc_ids"]}) == cold["num_doc_blocks"] * 16
@@ -546,7 +549,7 @@ def test_redis_down_slow_and_restarted_engine_output_unchanged(
         misses = tier.stats.misses
         assert _ask(llm, cold).num_cached_tokens == 0
         assert tier.stats.misses > misses
-        time.sleep(0.1)
+        clock.advance(0.1)
         # Recomputed blocks are written again once Redis is back.
         llm.reset_prefix_cache()
         _ask(llm, cold)

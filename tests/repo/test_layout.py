@@ -21,7 +21,7 @@ MAX_FUNCTION_LINES = 60
 # Lowest first. A module may import its own top-level package (or module) and anything in a
 # lower layer, never a higher one. Names are the first component under `kvstack`.
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in (
-    "errors paths units version",
+    "clock errors paths units version",
     "config sampling_params outputs argtypes",
     "kernels",
     "kv",

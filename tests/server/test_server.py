@@ -1,5 +1,6 @@
 """The HTTP server against live processes on loopback: SDK compatibility, prompt caching,
-tenant isolation, error shapes, overload, disconnects and graceful shutdown.
+tenant isolation, error shapes, overload, disconnects and graceful shutdown (pin TTLs run
+in process, on a fake clock).
 
 Two servers are started once each: an open one, and one with API keys, one running sequence,
 a one-request waiting room and cache_control TTLs shrunk 100x.
@@ -19,8 +20,11 @@ import anthropic
 import httpx
 import openai
 import pytest
+from helpers.asgi_clients import AsgiClients
+from helpers.clock import FakeClock
 from helpers.live_server import LiveServer, start_server
 
+from kvstack import LLM
 from kvstack.server.auth import KeyRing, Tenant
 
 MODEL = "smollm2-135m"
@@ -64,8 +68,12 @@ def claude(srv: LiveServer, key: str = "unused") -> anthropic.Anthropic:
 
 def metrics(srv: LiveServer) -> dict[str, float]:
     """Unlabelled samples of /metrics."""
+    return unlabelled(httpx.get(f"{srv.url}/metrics", timeout=30).text)
+
+
+def unlabelled(exposition: str) -> dict[str, float]:
     out = {}
-    for line in httpx.get(f"{srv.url}/metrics", timeout=30).text.splitlines():
+    for line in exposition.splitlines():
         if line and not line.startswith("#") and "{" not in line:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
@@ -442,6 +450,33 @@ def test_pins_survive_eviction_pressure_that_evicts_unpinned_prefixes(
     assert reread.cache_read_input_tokens >= written and reread.cache_creation_input_tokens == 0
 
 
+def test_pins_lapse_after_their_ttl() -> None:
+    """In process, on a fake clock: "5m" passes without waiting five minutes."""
+    clock = FakeClock()
+    clients = AsgiClients(LLM(MODEL, kv_cache_memory="32MiB", clock=clock), [KEY_A], KEY_A)
+
+    def pinned() -> float:
+        return unlabelled(clients.run(clients.http.get("/metrics")).text)[
+            "kvstack_kv_blocks_pinned"]
+
+    try:
+        request = _breakpointed(long_text(uuid.uuid4().hex))
+        create = clients.claude.messages.create
+        assert clients.run(create(**request)).usage.cache_creation_input_tokens > 0
+        assert pinned() > 0
+        clock.advance(300 + 0.5)
+        # Pins are checked every engine step: one more request lets them lapse.
+        clients.run(clients.openai.completions.create(model=MODEL, prompt="Hi", max_tokens=1))
+        assert pinned() == 0
+        # The blocks stay cached (just evictable), so the prefix still hits.
+        usage = clients.run(create(**request)).usage
+        assert usage.cache_read_input_tokens > 0 and usage.cache_creation_input_tokens == 0
+    finally:
+        clock.advance(300 + 0.5)  # the last request pinned again: let it lapse before close
+        clients.run(clients.openai.completions.create(model=MODEL, prompt="Hi", max_tokens=1))
+        clients.close()
+
+
 # -- the keyed server: auth, tenants, TTLs, overload, shutdown -------------------------------
 
 
@@ -476,20 +511,6 @@ def test_each_key_is_a_tenant_with_its_own_prefix_cache(keyed: LiveServer) -> No
         model=MODEL, max_tokens=1, system=messages[0]["content"],
         messages=[{"role": "user", "content": "Hi"}]).usage
     assert usage.cache_read_input_tokens > 6 * 16
-
-
-def test_pins_lapse_after_their_ttl(keyed: LiveServer) -> None:
-    client = claude(keyed, KEY_A)
-    request = _breakpointed(long_text(uuid.uuid4().hex))
-    assert client.messages.create(**request).usage.cache_creation_input_tokens > 0
-    assert metrics(keyed)["kvstack_kv_blocks_pinned"] > 0
-    time.sleep(300 * TTL_SCALE + 0.5)
-    # Pins are checked every engine step: one more request lets them lapse.
-    oai(keyed, KEY_A).completions.create(model=MODEL, prompt="Hi", max_tokens=1)
-    assert metrics(keyed)["kvstack_kv_blocks_pinned"] == 0
-    # The blocks stay cached (just evictable), so the prefix still hits.
-    usage = client.messages.create(**request).usage
-    assert usage.cache_read_input_tokens > 0 and usage.cache_creation_input_tokens == 0
 
 
 def test_full_waiting_queue_answers_429(keyed: LiveServer) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvstack.blend.blender import Blender
+from kvstack.clock import MONOTONIC, Clock
 from kvstack.config import EngineConfig, ModelConfig
 from kvstack.engine.tokenizer import load_tokenizer
 from kvstack.errors import InvalidRequestError
@@ -45,7 +46,8 @@ class EngineParts:
     score_store: ScoreStore = field(default_factory=ScoreStore.inert)
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
+def build_engine(config: EngineConfig, clock: Clock = MONOTONIC) -> EngineParts:
+    """Everything an engine runs on; the KV tiers keep their deadlines on `clock`."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     ckpt = load_checkpoint(config.model, config.quantization)
@@ -76,7 +78,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
                         fingerprint(ckpt, config, kv_cache_dtype, window, layout), kv_cache_dtype,
                         window, layout)
     if cache.use_kv_cache:
-        _build_kv(parts, config)
+        _build_kv(parts, config, clock)
     return parts
 
 
@@ -98,7 +100,7 @@ def fingerprint(ckpt: Checkpoint, config: EngineConfig, kv_cache_dtype: str,
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _build_kv(parts: EngineParts, config: EngineConfig) -> None:
+def _build_kv(parts: EngineParts, config: EngineConfig, clock: Clock) -> None:
     """The K/V storage sized to the budget, the tiers below it and the manager over both."""
     cache = config.cache
     shape = KVShape.of(parts.model_config, parts.kv_cache_dtype, parts.kv_layout,
@@ -120,7 +122,7 @@ def _build_kv(parts: EngineParts, config: EngineConfig) -> None:
                                shape.num_kv_heads, shape.head_dim, cache.block_size)
     parts.kv_shape = shape
     parts.kv_storage = storage
-    parts.kv_tiers = build_tiers(cache, block_format, storage)
+    parts.kv_tiers = build_tiers(cache, block_format, storage, clock)
     args = (num_blocks, cache.block_size, cache.enable_prefix_caching and parts.window is None,
             parts.fingerprint, int(num_blocks * cache.max_pinned_fraction), parts.kv_tiers,
             parts.window, storage.release, storage.copy_block)

@@ -11,6 +11,7 @@ from dataclasses import asdict
 
 from kvstack.blend.blender import blend_state
 from kvstack.blend.params import BlendSpec
+from kvstack.clock import MONOTONIC, Clock
 from kvstack.config import EngineConfig
 from kvstack.drafts.prompt_lookup import propose_drafts
 from kvstack.drafts.verify import next_window, remaining_draft
@@ -36,9 +37,10 @@ from kvstack.structured import Grammar, StructuredBackend
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, clock: Clock = MONOTONIC) -> None:
         self.config = config
-        parts = build_engine(config)
+        self.clock = clock  # pin deadlines and the tiers' retry pauses are on this clock
+        parts = build_engine(config, clock)
         self.model_config = parts.model_config
         self.model = parts.model
         self.tokenizer = tokenizer = parts.tokenizer
@@ -217,7 +219,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return outputs of requests that gained tokens or finished."""
         if self.kv_manager is not None:
-            self.kv_manager.expire_pins(time.monotonic())
+            self.kv_manager.expire_pins(self.clock())
         if self.blender is not None:
             self.blender.before_step(self.scheduler.waiting)
         ready, self.groups.ready = self.groups.ready, []
@@ -327,7 +329,7 @@ class LLMEngine:
         blocks already in the prefix cache are pinned, so call it after the prefill."""
         if self.kv_manager is None:
             return 0, 0
-        now = time.monotonic()
+        now = self.clock()
         self.kv_manager.expire_pins(now)
         return self.kv_manager.pin_prefix(list(token_ids), cache_salt, now + ttl_s)
 

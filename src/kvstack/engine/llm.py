@@ -17,6 +17,7 @@ from kvstack.blend.segments import (
     tokenize_segments,
     with_documents,
 )
+from kvstack.clock import MONOTONIC, Clock
 from kvstack.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvstack.engine.chat import Message, chat_token_ids
 from kvstack.engine.core import LLMEngine
@@ -56,6 +57,7 @@ class LLM:
     with activations rounded to int8 per 32-value block (approximate; see README).
     `kernels="torch"` turns off the C decode kernels (the reference path). `max_parallel_samples`
     caps a request's n (best_of); its samples share the prompt's KV blocks (`engine/parallel.py`).
+    `clock` (default `time.monotonic`) keeps pin deadlines and the Redis tier's retry pause.
 
     Blending (APPROXIMATE, opt-in per call with `blend=BlendParams(...)`): a prompt given as
     `{"segments": ["text", Chunk(doc), ...]}` (or `chat(..., documents=[...])`) reuses each
@@ -94,6 +96,7 @@ class LLM:
         chunk_cache_memory: int | str = "512MiB",
         quantization: str | None = None,
         kernels: str = "auto",
+        clock: Clock = MONOTONIC,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -122,7 +125,7 @@ class LLM:
             quantization=quantization,
             kernels=kernels,
         )
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, clock)
 
     @property
     def model_config(self) -> ModelConfig:

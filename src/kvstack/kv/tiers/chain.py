@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstack.clock import MONOTONIC, Clock
 from kvstack.config import CacheConfig
 from kvstack.kv.block_hash import BlockHash
 from kvstack.kv.storage.base import KVCacheStorage
@@ -270,11 +271,14 @@ class TierChain:
         return tuple(tier.stats.snapshot() for tier in self.tiers)
 
 
-def build_tiers(cache: CacheConfig, fmt: BlockFormat, storage: KVCacheStorage) -> TierChain | None:
-    """The chain the config asks for (disk, then Redis), or None without any tier."""
+def build_tiers(cache: CacheConfig, fmt: BlockFormat, storage: KVCacheStorage,
+                clock: Clock = MONOTONIC) -> TierChain | None:
+    """The chain the config asks for (disk, then Redis), or None without any tier; Redis
+    pauses its retries on `clock`."""
     tiers: list[KVTier] = []
     if cache.kv_disk_dir:
         tiers.append(DiskTier(cache.kv_disk_dir, cache.kv_disk_bytes))
     if cache.kv_redis_url:
-        tiers.append(RedisTier(cache.kv_redis_url, fmt.fingerprint, cache.kv_redis_ttl_s))
+        tiers.append(RedisTier(cache.kv_redis_url, fmt.fingerprint, cache.kv_redis_ttl_s,
+                               clock=clock))
     return TierChain(tiers, storage, fmt, cache.kv_tier_queue_bytes) if tiers else None

@@ -12,10 +12,10 @@ per request). Every failure is a miss plus a fault counter.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from kvstack.clock import MONOTONIC, Clock
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.block_hash import BlockHash
 from kvstack.kv.tiers.base import KVTier
@@ -49,8 +49,9 @@ class RedisTier(KVTier):
     name = "redis"
 
     def __init__(self, url: str, fingerprint: str, ttl_s: int = 86400, timeout_s: float = 0.2,
-                 retry_after_s: float = 1.0) -> None:
+                 retry_after_s: float = 1.0, clock: Clock = MONOTONIC) -> None:
         super().__init__()
+        self.clock = clock  # the retry pause's; tests pass a fake one
         self.url = url
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s
@@ -65,7 +66,7 @@ class RedisTier(KVTier):
         """Run one Redis exchange; None (and a fault counted) if it failed or Redis is down."""
         import redis
 
-        if time.monotonic() < self._down_until:
+        if self.clock() < self._down_until:
             self.stats.fault("unavailable")
             return None
         try:
@@ -84,7 +85,7 @@ class RedisTier(KVTier):
             self.stats.fault("redis_error")
             return None
         self.stats.fault(kind)
-        self._down_until = time.monotonic() + self.retry_after_s
+        self._down_until = self.clock() + self.retry_after_s
         return None
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
