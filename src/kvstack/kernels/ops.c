@@ -39,20 +39,6 @@ static inline float get_i8(const int8_t *p, int64_t i) { return (float)p[i]; }
 static inline float get_f8(const uint8_t *p, int64_t i) {
     return f16_to_f32((uint16_t)(((int16_t)(int8_t)p[i] * 128) & 0xBF80));
 }
-#if defined(__AVX2__)
-static inline __m256 load8_i8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-static inline __m256 load8_f8(const uint8_t *p) {
-#if defined(__F16C__)
-    const __m128i w = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
-    return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xBF80)));
-#else
-    return _mm256_setr_ps(get_f8(p, 0), get_f8(p, 1), get_f8(p, 2), get_f8(p, 3), get_f8(p, 4),
-                          get_f8(p, 5), get_f8(p, 6), get_f8(p, 7));
-#endif
-}
-#endif
 
 /* float -> e4m3 code, rounded to nearest even; |x| <= 448 (the caller clamps). */
 static inline uint8_t f32_to_e4m3(float x) {
@@ -81,19 +67,118 @@ static void hadamard(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] *= norm;
 }
 
-/* ---- attention's inner loops: AVX2 + FMA where the target has it, else plain C ---------- */
-#if defined(__AVX2__) && defined(__FMA__)
-/* exp of 8 floats: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial;
- * within 2 ulp of expf), inputs clamped to +-88.38 so very negative scores give 0. glibc's
- * scalar expf was over half of attention's time. */
-static inline __m256 exp8(__m256 x) {
+/* ---- decode attention's vectors: 16 floats (AVX-512), 8 (AVX2 + FMA) or 1 (plain C) -------
+ * One set of names over each width, so the attention below is written once: vf a vector of
+ * VW floats; vk_<type>(p) VW cache elements from p as floats; v_lanesum(a) the vector whose
+ * lane i is the sum of a[i]'s lanes (a[0..VW)); v_exp Cephes' expf (range reduction by ln 2
+ * in two parts, degree-5 polynomial; within 2 ulp of expf; inputs clamped to +-88.38, so
+ * -inf and very negative scores give exactly 0: glibc's scalar expf was over half of
+ * attention's time). */
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vf;
+static inline vf v_zero(void) { return _mm512_setzero_ps(); }
+static inline vf v_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v_store(float *p, vf x) { _mm512_storeu_ps(p, x); }
+static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf v_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float v_hmax(vf a) { return _mm512_reduce_max_ps(a); }
+static inline float v_hsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vf vk_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vk_bf16(const uint16_t *p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline vf vk_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vf vk_f8(const uint8_t *p) {
+    const __m256i w = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    return _mm512_cvtph_ps(_mm256_and_si256(w, _mm256_set1_epi16((short)0xBF80)));
+}
+/* pairs, then quads within each 128-bit lane, then across the four lanes: 45 instructions
+ * for 16 sums instead of 16 reductions of 8 */
+static inline vf v_lanesum(const vf a[16]) {
+    vf b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const vf f = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44),
+                               _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+    const vf g = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44),
+                               _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(f, g, 0x88), _mm512_shuffle_f32x4(f, g, 0xDD));
+}
+static inline vf v_exp(vf x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                      _mm512_set1_ps(-88.3762626647949f));
+    const vf fx = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    vf y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+    const __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx),
+                                                         _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VW 8
+typedef __m256 vf;
+static inline vf v_zero(void) { return _mm256_setzero_ps(); }
+static inline vf v_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf v_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void v_store(float *p, vf x) { _mm256_storeu_ps(p, x); }
+static inline vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf v_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf v_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float v_hsum(vf a) { return hsum8(a); }
+static inline float v_hmax(vf a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline vf vk_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vk_bf16(const uint16_t *p) { return load8_bf16(p); }
+static inline vf vk_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf vk_f8(const uint8_t *p) {
+    const __m128i w = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
+    return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xBF80)));
+}
+static inline vf v_lanesum(const vf a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+static inline vf v_exp(vf x) {
     x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)),
                       _mm256_set1_ps(-88.3762626647949f));
-    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                                      _mm256_set1_ps(0.5f)));
+    const vf fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                                  _mm256_set1_ps(0.5f)));
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    vf y = _mm256_set1_ps(1.9875691500e-4f);
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
@@ -104,75 +189,28 @@ static inline __m256 exp8(__m256 x) {
                                                          _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
+#else
+#define VW 1
+typedef float vf;
+static inline vf v_zero(void) { return 0.f; }
+static inline vf v_set1(float x) { return x; }
+static inline vf v_load(const float *p) { return *p; }
+static inline void v_store(float *p, vf x) { *p = x; }
+static inline vf v_add(vf a, vf b) { return a + b; }
+static inline vf v_sub(vf a, vf b) { return a - b; }
+static inline vf v_mul(vf a, vf b) { return a * b; }
+static inline vf v_max(vf a, vf b) { return a > b ? a : b; }
+static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
+static inline float v_hmax(vf a) { return a; }
+static inline float v_hsum(vf a) { return a; }
+static inline vf vk_f32(const float *p) { return *p; }
+static inline vf vk_bf16(const uint16_t *p) { return bf16_to_f32(*p); }
+static inline vf vk_i8(const int8_t *p) { return (float)*p; }
+static inline vf vk_f8(const uint8_t *p) { return get_f8(p, 0); }
+static inline vf v_lanesum(const vf a[1]) { return a[0]; }
+static inline vf v_exp(vf x) { return x < -88.3762626647949f ? 0.f : expf(x); }
 #endif
 
-/* s[0..n) = exp(s - mx) in place; returns their sum. */
-static inline float exp_sum(float *s, int64_t n, float mx) {
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256 m = _mm256_set1_ps(mx);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j += 8) {
-        const int64_t left = n - j < 8 ? n - j : 8;
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left),
-                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, mask), m));
-        _mm256_maskstore_ps(s + j, mask, e);
-        acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(mask)));
-    }
-    return hsum8(acc);
-#else
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; j++) {
-        s[j] = expf(s[j] - mx);
-        sum += s[j];
-    }
-    return sum;
-#endif
-}
-
-/* sum_i q[i] * k[i] and acc[i] += p * v[i] over a head's dim elements, k and v of type T. */
-#if defined(__AVX2__) && defined(__FMA__)
-#define DEFINE_HEAD_LOOPS(SUF, T)                                                             \
-    static inline float head_dot_##SUF(const float *q, const T *k, int64_t dim) {            \
-        if (dim % 8) {                                                                       \
-            float dot = 0.f;                                                                 \
-            for (int64_t i = 0; i < dim; i++) dot += q[i] * get_##SUF(k, i);                 \
-            return dot;                                                                      \
-        }                                                                                    \
-        __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();                             \
-        int64_t i = 0;                                                                       \
-        for (; i + 16 <= dim; i += 16) {                                                     \
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_##SUF(k + i), a);              \
-            b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8_##SUF(k + i + 8), b);      \
-        }                                                                                    \
-        if (i < dim) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_##SUF(k + i), a);     \
-        return hsum8(_mm256_add_ps(a, b));                                                   \
-    }                                                                                        \
-    static inline void head_axpy_##SUF(float *acc, float p, const T *v, int64_t dim) {       \
-        if (dim % 8) {                                                                       \
-            for (int64_t i = 0; i < dim; i++) acc[i] += p * get_##SUF(v, i);                 \
-            return;                                                                          \
-        }                                                                                    \
-        const __m256 pp = _mm256_set1_ps(p);                                                 \
-        for (int64_t i = 0; i < dim; i += 8)                                                 \
-            _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pp, load8_##SUF(v + i),                \
-                                                      _mm256_loadu_ps(acc + i)));            \
-    }
-#else
-#define DEFINE_HEAD_LOOPS(SUF, T)                                                             \
-    static inline float head_dot_##SUF(const float *q, const T *k, int64_t dim) {            \
-        float dot = 0.f;                                                                     \
-        for (int64_t i = 0; i < dim; i++) dot += q[i] * get_##SUF(k, i);                     \
-        return dot;                                                                          \
-    }                                                                                        \
-    static inline void head_axpy_##SUF(float *acc, float p, const T *v, int64_t dim) {       \
-        for (int64_t i = 0; i < dim; i++) acc[i] += p * get_##SUF(v, i);                     \
-    }
-#endif
-DEFINE_HEAD_LOOPS(f32, float)
-DEFINE_HEAD_LOOPS(bf16, uint16_t)
-DEFINE_HEAD_LOOPS(i8, int8_t)
-DEFINE_HEAD_LOOPS(f8, uint8_t)
 
 /* out = w * round(x * rsqrt(mean(x^2) + eps)), as the reference's RMSNorm; with `res`, first
  * x = round(x + res) in place (the residual add before the norm). */
@@ -236,126 +274,220 @@ DEFINE_HEAD_LOOPS(f8, uint8_t)
  * slots: [seqs, max_ctx] (the first lens[b] are real). Grouped-query: head h reads kv head
  * h / (heads / kv_heads). Scores and the softmax in fp32.
  *
- * Work is split into units of (sequence, kv head, ATTN_CHUNK positions): a unit reads each
- * of its K and V rows once for all the query heads sharing that kv head (instead of once per
- * head), and a single sequence still gives both threads work. Each unit leaves, per head, its
- * running max, softmax denominator and unnormalised output; a second pass merges a head's
+ * Work is split into units of (sequence, ATTN_CHUNK positions), taken by whichever thread is
+ * free: a unit reads its positions' K rows (every kv head: one contiguous stretch per slot,
+ * a block's slots one stretch), then their V rows, each once for all the query heads sharing
+ * a kv head; a single sequence still gives both threads work. Each unit leaves, per head, its
+ * running max, softmax denominator and unnormalised output; a last pass merges a head's
  * chunks in order (flash-decoding's split). The split depends only on the positions, never
  * on the thread count or the other sequences of the step, so neither changes a result; up to
  * ATTN_CHUNK positions it is the plain softmax. Returns 0, or -1 without memory. */
 #define ATTN_CHUNK 128
-/* The cache rows a step reads come from memory (the weights streamed since the last step
- * evicted them), at scattered blocks: K rows are prefetched a block of 8 positions ahead, and
- * each V row as its K row is read, so it is in cache when the second pass needs it. */
-#define ATTN_BLOCK 8
+#if VW == 8
+#define VH 3 /* query heads whose outputs a values tile keeps in registers (16 ymm) */
+#else
+#define VH 4 /* (32 zmm) */
+#endif
+#define VT 4 /* vectors of columns per values tile */
+#ifndef ATTN_AHEAD
+#define ATTN_AHEAD 32
+#endif
 
-static inline void prefetch_row(const void *p, int64_t bytes) {
+/* The cache rows a step reads come from memory (the weights streamed since the last step
+ * evicted them), at scattered blocks: the next VW positions' K rows are prefetched while a
+ * sub-block's scores are computed, and its V rows, so they are in cache for the second pass. */
+static inline void prefetch_span(const void *p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)p + at);
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* Lane p = the sum of a[p]'s eight lanes. */
-static inline __m256 hsum8x8(const __m256 a[8]) {
-    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                         _mm256_permute2f128_ps(u0, u1, 0x31));
+/* sc[h * ATTN_CHUNK + p] = (q_h . k_p) * ks[p] for the VW rows kf[p] (floats) and the group's
+ * query heads qv [group, dim]; ks NULL: unscaled. */
+static void scores_block(const float *qv, int64_t group, const float *const *kf, int64_t dim,
+                         const float *ks, float *sc) {
+    const int64_t dv = dim - dim % VW;
+    for (int64_t h = 0; h < group; h++) {
+        const float *q = qv + h * dim;
+        vf a[VW];
+        for (int p = 0; p < VW; p++) a[p] = v_zero();
+        for (int64_t i = 0; i < dv; i += VW) {
+            const vf qi = v_load(q + i);
+            for (int p = 0; p < VW; p++) a[p] = v_fma(qi, v_load(kf[p] + i), a[p]);
+        }
+        vf s = v_lanesum(a);
+        if (dv < dim) {
+            float t[VW];
+            for (int p = 0; p < VW; p++) {
+                t[p] = 0.f;
+                for (int64_t i = dv; i < dim; i++) t[p] += q[i] * kf[p][i];
+            }
+            s = v_add(s, v_load(t));
+        }
+        if (ks) s = v_mul(s, v_load(ks));
+        v_store(sc + h * ATTN_CHUNK, s);
+    }
 }
-#endif
 
-/* A unit's two passes over its n <= ATTN_CHUNK rows, for cache elements of type KT:
- *   scores: sc[h * ATTN_CHUNK + j] = (q_h . k_j) * ks[j] for the group's query heads;
- *   values: acc[0..dim) += sum_j p[j] * v_j.
- * With AVX2 and dim a multiple of 8, the scores take 8 rows at a time against one query
- * (8 accumulators, one horizontal reduction for all 8), and the values keep 64 columns of the
- * accumulator in registers across all rows instead of loading and storing them per row (those
- * loads and stores, not the arithmetic, bounded the old loop). A value element's sum runs in
- * row order either way; a score's order of additions differs between the two paths. */
-#if defined(__AVX2__) && defined(__FMA__)
-#define DEFINE_UNIT_LOOPS(KSUF, KT)                                                           \
-    static void scores_##KSUF(const float *qv, int64_t group, const KT *const *kr,           \
-                              const KT *const *vr, const float *ks, int64_t n, int64_t dim,  \
-                              float *sc) {                                                   \
-        const int64_t bytes = dim * (int64_t)sizeof(KT);                                     \
-        if (dim % 8) {                                                                       \
-            for (int64_t j = 0; j < n; j++)                                                  \
-                for (int64_t h = 0; h < group; h++)                                          \
-                    sc[h * ATTN_CHUNK + j] = head_dot_##KSUF(qv + h * dim, kr[j], dim) * ks[j]; \
-            return;                                                                          \
-        }                                                                                    \
-        for (int64_t j = 0; j < n && j < ATTN_BLOCK; j++) prefetch_row(kr[j], bytes);        \
-        int64_t j0 = 0;                                                                      \
-        for (; j0 + ATTN_BLOCK <= n; j0 += ATTN_BLOCK) {                                     \
-            for (int64_t j = j0 + ATTN_BLOCK; j < n && j < j0 + 2 * ATTN_BLOCK; j++)         \
-                prefetch_row(kr[j], bytes);                                                  \
-            for (int64_t j = j0; j < j0 + ATTN_BLOCK; j++) prefetch_row(vr[j], bytes);       \
-            const __m256 scale = _mm256_loadu_ps(ks + j0);                                   \
-            for (int64_t h = 0; h < group; h++) {                                            \
-                const float *q = qv + h * dim;                                               \
-                __m256 a[8];                                                                 \
-                for (int p = 0; p < 8; p++) a[p] = _mm256_setzero_ps();                      \
-                for (int64_t i = 0; i < dim; i += 8) {                                       \
-                    const __m256 qi = _mm256_loadu_ps(q + i);                                \
-                    for (int p = 0; p < 8; p++)                                              \
-                        a[p] = _mm256_fmadd_ps(qi, load8_##KSUF(kr[j0 + p] + i), a[p]);      \
-                }                                                                            \
-                _mm256_storeu_ps(sc + h * ATTN_CHUNK + j0, _mm256_mul_ps(hsum8x8(a), scale)); \
+/* Softmax numerators of a head's n scores in place (the tail to the next VW set to 0);
+ * writes the max and the sum of exps to m[0], m[1]. */
+static void softmax_chunk(float *sh, int64_t n, float *m) {
+    const int64_t padded = (n + VW - 1) / VW * VW;
+    for (int64_t j = n; j < padded; j++) sh[j] = -INFINITY;
+    vf mv = v_set1(-INFINITY);
+    for (int64_t j = 0; j < padded; j += VW) mv = v_max(mv, v_load(sh + j));
+    const float mx = v_hmax(mv);
+    const vf mm = v_set1(mx);
+    vf sum = v_zero();
+    for (int64_t j = 0; j < padded; j += VW) {
+        const vf e = v_exp(v_sub(v_load(sh + j), mm));
+        v_store(sh + j, e);
+        sum = v_add(sum, e);
+    }
+    m[0] = mx;
+    m[1] = v_hsum(sum);
+}
+
+/* Per cache element type KT:
+ *   rows_KSUF: VW K rows as floats (fp32 rows are used in place, others converted into buf);
+ *   vtile_KSUF: acc[h][c0 .. c0 + nt VW) = sum_j p[h][j] v_j for nh heads, nt vectors of
+ *     columns, kept in registers over all n rows (each V element is loaded once per nh heads);
+ *     inlined with constant nh, nt so the tile is registers, not memory;
+ *   values_KSUF: the whole [group, dim] output of one kv head's rows;
+ *   unit_KSUF: one unit's two passes. */
+#define DEFINE_ATTN_UNIT(KSUF, KT)                                                            \
+    static inline void rows_##KSUF(const KT *const *r, int64_t dim, float *buf,              \
+                                   const float **kf) {                                       \
+        for (int p = 0; p < VW; p++) {                                                       \
+            if (sizeof(KT) == sizeof(float)) {                                               \
+                kf[p] = (const float *)r[p];                                                 \
+                continue;                                                                    \
             }                                                                                \
-        }                                                                                    \
-        for (int64_t j = j0; j < n; j++) {                                                   \
-            prefetch_row(vr[j], bytes);                                                      \
-            for (int64_t h = 0; h < group; h++)                                              \
-                sc[h * ATTN_CHUNK + j] = head_dot_##KSUF(qv + h * dim, kr[j], dim) * ks[j];  \
+            float *b = buf + p * dim;                                                        \
+            int64_t i = 0;                                                                   \
+            for (; i + VW <= dim; i += VW) v_store(b + i, vk_##KSUF(r[p] + i));              \
+            for (; i < dim; i++) b[i] = get_##KSUF(r[p], i);                                 \
+            kf[p] = b;                                                                       \
         }                                                                                    \
     }                                                                                        \
-    static void values_##KSUF(float *acc, const float *p, const KT *const *vr, int64_t n,    \
-                              int64_t dim) {                                                 \
+    static inline __attribute__((always_inline)) void vtile_##KSUF(                          \
+        const int nh, const int nt, const float *p, const KT *v, const int64_t *rows,        \
+        int64_t n, int64_t c0, float *acc, int64_t width) {                                  \
+        vf a[VH][VT];                                                                        \
+        for (int h = 0; h < nh; h++)                                                         \
+            for (int t = 0; t < nt; t++) a[h][t] = v_zero();                                 \
+        for (int64_t j = 0; j < n; j++) {                                                    \
+            const KT *vr = v + rows[j] + c0;                                                 \
+            vf pb[VH];                                                                       \
+            for (int h = 0; h < nh; h++) pb[h] = v_set1(p[h * ATTN_CHUNK + j]);              \
+            for (int t = 0; t < nt; t++) {                                                   \
+                const vf x = vk_##KSUF(vr + t * VW);                                         \
+                for (int h = 0; h < nh; h++) a[h][t] = v_fma(pb[h], x, a[h][t]);             \
+            }                                                                                \
+        }                                                                                    \
+        for (int h = 0; h < nh; h++)                                                         \
+            for (int t = 0; t < nt; t++) v_store(acc + h * width + c0 + t * VW, a[h][t]);    \
+    }                                                                                        \
+    static void vtiles_##KSUF(int nh, const float *p, const KT *v, const int64_t *rows,      \
+                              int64_t n, int64_t dv, float *acc, int64_t width) {            \
         int64_t c = 0;                                                                       \
-        for (; dim % 8 == 0 && c + 64 <= dim; c += 64) {                                     \
-            __m256 a[8];                                                                     \
-            for (int v = 0; v < 8; v++) a[v] = _mm256_loadu_ps(acc + c + 8 * v);            \
-            for (int64_t j = 0; j < n; j++) {                                                \
-                const __m256 pj = _mm256_set1_ps(p[j]);                                      \
-                for (int v = 0; v < 8; v++)                                                  \
-                    a[v] = _mm256_fmadd_ps(pj, load8_##KSUF(vr[j] + c + 8 * v), a[v]);       \
+        for (; c + VT * VW <= dv; c += VT * VW) switch (nh) {                               \
+            case 1: vtile_##KSUF(1, VT, p, v, rows, n, c, acc, width); break;                \
+            case 2: vtile_##KSUF(2, VT, p, v, rows, n, c, acc, width); break;                \
+            case 3: vtile_##KSUF(3, VT, p, v, rows, n, c, acc, width); break;                \
+            default: vtile_##KSUF(VH, VT, p, v, rows, n, c, acc, width); break;              \
             }                                                                                \
-            for (int v = 0; v < 8; v++) _mm256_storeu_ps(acc + c + 8 * v, a[v]);             \
-        }                                                                                    \
-        for (; dim % 8 == 0 && c < dim; c += 8) {                                            \
-            __m256 a = _mm256_loadu_ps(acc + c);                                             \
-            for (int64_t j = 0; j < n; j++)                                                  \
-                a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8_##KSUF(vr[j] + c), a);       \
-            _mm256_storeu_ps(acc + c, a);                                                    \
-        }                                                                                    \
-        if (dim % 8)                                                                         \
-            for (int64_t j = 0; j < n; j++) head_axpy_##KSUF(acc, p[j], vr[j], dim);         \
-    }
-#else
-#define DEFINE_UNIT_LOOPS(KSUF, KT)                                                           \
-    static void scores_##KSUF(const float *qv, int64_t group, const KT *const *kr,           \
-                              const KT *const *vr, const float *ks, int64_t n, int64_t dim,  \
-                              float *sc) {                                                   \
-        (void)vr;                                                                            \
-        for (int64_t j = 0; j < n; j++)                                                      \
-            for (int64_t h = 0; h < group; h++)                                              \
-                sc[h * ATTN_CHUNK + j] = head_dot_##KSUF(qv + h * dim, kr[j], dim) * ks[j];  \
+        for (; c < dv; c += VW) switch (nh) {                                               \
+            case 1: vtile_##KSUF(1, 1, p, v, rows, n, c, acc, width); break;                 \
+            case 2: vtile_##KSUF(2, 1, p, v, rows, n, c, acc, width); break;                 \
+            case 3: vtile_##KSUF(3, 1, p, v, rows, n, c, acc, width); break;                 \
+            default: vtile_##KSUF(VH, 1, p, v, rows, n, c, acc, width); break;               \
+            }                                                                                \
     }                                                                                        \
-    static void values_##KSUF(float *acc, const float *p, const KT *const *vr, int64_t n,    \
-                              int64_t dim) {                                                 \
-        for (int64_t j = 0; j < n; j++) head_axpy_##KSUF(acc, p[j], vr[j], dim);             \
+    static void values_##KSUF(const float *p, int64_t group, const KT *v, const int64_t *rows, \
+                              int64_t n, int64_t dim, float *acc, int64_t width) {           \
+        const int64_t dv = dim - dim % VW;                                                   \
+        for (int64_t h0 = 0; h0 < group; h0 += VH) {                                         \
+            const int nh = (int)(group - h0 < VH ? group - h0 : VH);                         \
+            const float *ph = p + h0 * ATTN_CHUNK;                                           \
+            float *ah = acc + h0 * width;                                                    \
+            vtiles_##KSUF(nh, ph, v, rows, n, dv, ah, width);                                \
+            for (int64_t c = dv; c < dim; c++)                                               \
+                for (int h = 0; h < nh; h++) {                                               \
+                    float s = 0.f;                                                           \
+                    for (int64_t j = 0; j < n; j++)                                          \
+                        s += ph[h * ATTN_CHUNK + j] * get_##KSUF(v + rows[j], c);            \
+                    ah[h * width + c] = s;                                                   \
+                }                                                                            \
+        }                                                                                    \
+    }                                                                                        \
+    static void unit_##KSUF(const float *qv, const KT *k, const KT *v, const uint16_t *ks,   \
+                            const uint16_t *vs, float unit, int64_t slot_rows,               \
+                            const int64_t *sl, int64_t n, int64_t kv_heads, int64_t group,    \
+                            int64_t dim, float *pu) {                                        \
+        const int64_t width = dim + 2, span = kv_heads * dim * (int64_t)sizeof(KT);          \
+        const int64_t padded = (n + VW - 1) / VW * VW;                                       \
+        int64_t row[ATTN_CHUNK], off[ATTN_CHUNK]; /* cache row of (slot, kv head 0); V's */  \
+        float sc[kv_heads * group * ATTN_CHUNK], buf[VW * dim], scl[ATTN_CHUNK];             \
+        for (int64_t j = 0; j < padded; j++) row[j] = sl[j < n ? j : 0] * slot_rows;         \
+        for (int64_t j = 0; j < n && j < ATTN_AHEAD; j++) prefetch_span(k + row[j] * dim, span); \
+        for (int64_t j0 = 0; j0 < padded; j0 += VW) {                                        \
+            for (int64_t j = j0 + ATTN_AHEAD; j < n && j < j0 + VW + ATTN_AHEAD; j++)       \
+                prefetch_span(k + row[j] * dim, span);                                       \
+            for (int64_t j = j0; j < n && j < j0 + VW; j++) prefetch_span(v + row[j] * dim, span); \
+            for (int64_t g = 0; g < kv_heads; g++) {                                         \
+                const KT *r[VW];                                                             \
+                const float *kf[VW];                                                         \
+                float s[VW];                                                                 \
+                for (int p = 0; p < VW; p++) {                                               \
+                    r[p] = k + (row[j0 + p] + g) * dim;                                      \
+                    s[p] = ks ? f16_to_f32(ks[row[j0 + p] + g]) * unit : 1.f;                \
+                }                                                                            \
+                rows_##KSUF(r, dim, buf, kf);                                                \
+                scores_block(qv + g * group * dim, group, kf, dim, ks ? s : NULL,            \
+                             sc + g * group * ATTN_CHUNK + j0);                              \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t g = 0; g < kv_heads; g++) {                                             \
+            for (int64_t j = 0; j < n; j++) off[j] = (row[j] + g) * dim;                     \
+            for (int64_t j = n; j < padded; j++) scl[j] = 0.f;                               \
+            for (int64_t j = 0; j < n; j++) scl[j] = vs ? f16_to_f32(vs[row[j] + g]) * unit : 1.f; \
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {                          \
+                float *sh = sc + h * ATTN_CHUNK;                                             \
+                softmax_chunk(sh, n, pu + h * width + dim);                                  \
+                if (vs)                                                                      \
+                    for (int64_t j = 0; j < padded; j += VW)                                 \
+                        v_store(sh + j, v_mul(v_load(sh + j), v_load(scl + j)));             \
+            }                                                                                \
+            values_##KSUF(sc + g * group * ATTN_CHUNK, group, v, off, n, dim,                \
+                          pu + g * group * width, width);                                    \
+        }                                                                                    \
     }
-#endif
-DEFINE_UNIT_LOOPS(f32, float)
-DEFINE_UNIT_LOOPS(bf16, uint16_t)
-DEFINE_UNIT_LOOPS(i8, int8_t)
-DEFINE_UNIT_LOOPS(f8, uint8_t)
+DEFINE_ATTN_UNIT(f32, float)
+DEFINE_ATTN_UNIT(bf16, uint16_t)
+DEFINE_ATTN_UNIT(i8, int8_t)
+DEFINE_ATTN_UNIT(f8, uint8_t)
 
-/* The loop over (sequence, kv head, chunk) units and the merge, for q/out of type T and cache
- * elements of type KT: row r of the cache (r = slot * slot_rows + kv head) is k + r * dim and
- * v + r * dim. Quantized caches give each row a float16 scale (ks[r], vs[r], times `unit`);
- * plain ones pass NULL (scale 1: the products are unchanged). With `rotate`, K/V are stored in
- * the Hadamard basis: the kernel turns each query into it and each output back. */
+/* A head's output from its chunks' partials (p0, the next chunk `step` floats on): weights
+ * exp(max_c - max), in chunk order; with `rotate`, back out of the Hadamard basis. */
+static void merge_head(const float *p0, int64_t step, int64_t used, int64_t dim, int rotate,
+                       float *acc) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t c = 0; c < used; c++) mx = p0[c * step + dim] > mx ? p0[c * step + dim] : mx;
+    for (int64_t i = 0; i < dim; i++) acc[i] = 0.f;
+    for (int64_t c = 0; c < used; c++) {
+        const float *pc = p0 + c * step, w = expf(pc[dim] - mx);
+        sum += w * pc[dim + 1];
+        for (int64_t i = 0; i < dim; i++) acc[i] += w * pc[i];
+    }
+    const float inv = used ? 1.0f / sum : 0.f; /* no positions: zeros */
+    for (int64_t i = 0; i < dim; i++) acc[i] *= inv;
+    if (rotate) hadamard(acc, dim);
+}
+
+/* The driver for q/out of type T and cache elements of type KT: row r of the cache (r = slot
+ * * slot_rows + kv head) is k + r * dim and v + r * dim. Quantized caches give each row a
+ * float16 scale (ks[r], vs[r], times `unit`); plain ones pass NULL (scale 1: the products are
+ * unchanged). With `rotate`, K/V are stored in the Hadamard basis: the kernel turns each
+ * query into it and each output back. */
 #define DEFINE_ATTEND(SUF, T, KSUF, KT)                                                       \
     static int attend_##SUF##_##KSUF(const T *q, const KT *k, const KT *v, const uint16_t *ks, \
                                      const uint16_t *vs, float unit, int rotate,             \
@@ -364,73 +496,49 @@ DEFINE_UNIT_LOOPS(f8, uint8_t)
                                      int64_t heads, int64_t kv_heads, int64_t dim,            \
                                      float scale, T *out, int threads) {                     \
         const int64_t group = heads / kv_heads, width = dim + 2;                             \
-        const int64_t chunks = (max_ctx + ATTN_CHUNK - 1) / ATTN_CHUNK;                      \
-        const int64_t units = seqs * kv_heads * chunks;                                      \
+        int64_t *first = malloc(sizeof(int64_t) * (size_t)(seqs + 1)), units = 0;            \
+        if (!first) return -1;                                                               \
+        first[0] = 0;                                                                        \
+        for (int64_t b = 0; b < seqs; b++)                                                   \
+            first[b + 1] = units += (lens[b] + ATTN_CHUNK - 1) / ATTN_CHUNK;                 \
         /* per unit and head: acc[dim], then the max and the denominator */                  \
-        float *part = malloc(sizeof(float) * (size_t)(units * group * width + 1));           \
-        if (!part) return -1;                                                                \
-        _Pragma("omp parallel num_threads(threads)")                                         \
+        float *part = malloc(sizeof(float) * (size_t)(units * heads * width + 1));           \
+        float *qf = malloc(sizeof(float) * (size_t)(seqs * heads * dim + 1));                \
+        int64_t *useq = malloc(sizeof(int64_t) * (size_t)(units + 1));                       \
+        if (!part || !qf || !useq) {                                                         \
+            free(first); free(part); free(qf); free(useq);                                   \
+            return -1;                                                                       \
+        }                                                                                    \
+        for (int64_t b = 0; b < seqs; b++)                                                   \
+            for (int64_t u = first[b]; u < first[b + 1]; u++) useq[u] = b;                   \
+        const int team = threads < units ? threads : units > 1 ? (int)units : 1;             \
+        _Pragma("omp parallel num_threads(team)")                                            \
         {                                                                                    \
             _Pragma("omp for schedule(static)")                                              \
-            for (int64_t u = 0; u < units; u++) {                                            \
-                const int64_t b = u / (kv_heads * chunks), g = (u / chunks) % kv_heads;      \
-                const int64_t lo = (u % chunks) * ATTN_CHUNK;                                \
-                const int64_t hi = lens[b] < lo + ATTN_CHUNK ? lens[b] : lo + ATTN_CHUNK;    \
-                float *pu = part + u * group * width;                                        \
-                if (lo >= hi) continue; /* past the sequence: the merge never reads it */     \
-                const int64_t *sl = slots + b * max_ctx, n = hi - lo;                        \
-                float qv[group * dim], sc[group * ATTN_CHUNK], ksc[ATTN_CHUNK], vsc[ATTN_CHUNK];  \
-                float p[ATTN_CHUNK];                                                         \
-                const KT *kr[ATTN_CHUNK], *vr[ATTN_CHUNK];                                   \
-                const T *qb = q + (b * heads + g * group) * dim;                             \
-                for (int64_t i = 0; i < group * dim; i++) qv[i] = get_##SUF(qb, i);          \
-                if (rotate)                                                                  \
-                    for (int64_t h = 0; h < group; h++) hadamard(qv + h * dim, dim);         \
-                for (int64_t i = 0; i < group * dim; i++) qv[i] *= scale;                    \
-                for (int64_t j = 0; j < n; j++) {                                            \
-                    const int64_t r = sl[lo + j] * slot_rows + g;                            \
-                    kr[j] = k + r * dim;                                                     \
-                    vr[j] = v + r * dim;                                                     \
-                    ksc[j] = ks ? f16_to_f32(ks[r]) * unit : 1.0f;                           \
-                    vsc[j] = vs ? f16_to_f32(vs[r]) * unit : 1.0f;                           \
-                }                                                                            \
-                scores_##KSUF(qv, group, kr, vr, ksc, n, dim, sc);                           \
-                for (int64_t h = 0; h < group; h++) {                                        \
-                    float *sh = sc + h * ATTN_CHUNK, *acc = pu + h * width;                  \
-                    float mx = -INFINITY;                                                    \
-                    for (int64_t j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;            \
-                    const float sum = exp_sum(sh, n, mx);                                    \
-                    for (int64_t i = 0; i < dim; i++) acc[i] = 0.f;                          \
-                    acc[dim] = mx;                                                           \
-                    acc[dim + 1] = sum;                                                      \
-                    for (int64_t j = 0; j < n; j++) p[j] = sh[j] * vsc[j];                   \
-                    values_##KSUF(acc, p, vr, n, dim);                                       \
-                }                                                                            \
+            for (int64_t bh = 0; bh < seqs * heads; bh++) {                                  \
+                float *x = qf + bh * dim;                                                    \
+                for (int64_t i = 0; i < dim; i++) x[i] = get_##SUF(q + bh * dim, i);         \
+                if (rotate) hadamard(x, dim);                                                \
+                for (int64_t i = 0; i < dim; i++) x[i] *= scale;                             \
             }                                                                                \
-            /* merge a head's chunks: weights exp(max_c - max), in chunk order */             \
+            _Pragma("omp for schedule(dynamic, 1)")                                          \
+            for (int64_t u = 0; u < units; u++) {                                            \
+                const int64_t b = useq[u], lo = (u - first[b]) * ATTN_CHUNK;                 \
+                const int64_t n = lens[b] - lo < ATTN_CHUNK ? lens[b] - lo : ATTN_CHUNK;     \
+                unit_##KSUF(qf + b * heads * dim, k, v, ks, vs, unit, slot_rows,             \
+                            slots + b * max_ctx + lo, n, kv_heads, group, dim,               \
+                            part + u * heads * width);                                       \
+            }                                                                                \
             _Pragma("omp for schedule(static)")                                              \
             for (int64_t bh = 0; bh < seqs * heads; bh++) {                                  \
-                const int64_t b = bh / heads, g = (bh % heads) / group, hh = bh % group;     \
-                const int64_t used = (lens[b] + ATTN_CHUNK - 1) / ATTN_CHUNK;                \
-                const float *p0 = part + ((b * kv_heads + g) * chunks * group + hh) * width; \
-                const int64_t step = group * width; /* the next chunk of this head */        \
-                T *o = out + bh * dim;                                                       \
-                float mx = -INFINITY, sum = 0.f, acc[dim];                                   \
-                for (int64_t c = 0; c < used; c++)                                           \
-                    mx = p0[c * step + dim] > mx ? p0[c * step + dim] : mx;                  \
-                for (int64_t i = 0; i < dim; i++) acc[i] = 0.f;                              \
-                for (int64_t c = 0; c < used; c++) {                                         \
-                    const float *pc = p0 + c * step, w = expf(pc[dim] - mx);                 \
-                    sum += w * pc[dim + 1];                                                  \
-                    for (int64_t i = 0; i < dim; i++) acc[i] += w * pc[i];                   \
-                }                                                                            \
-                const float inv = 1.0f / sum;                                                \
-                for (int64_t i = 0; i < dim; i++) acc[i] *= inv;                             \
-                if (rotate) hadamard(acc, dim);                                              \
-                for (int64_t i = 0; i < dim; i++) put_##SUF(o, i, acc[i]);                   \
+                const int64_t b = bh / heads, h = bh % heads;                                \
+                float acc[dim];                                                              \
+                merge_head(part + (first[b] * heads + h) * width, heads * width,             \
+                           first[b + 1] - first[b], dim, rotate, acc);                       \
+                for (int64_t i = 0; i < dim; i++) put_##SUF(out + bh * dim, i, acc[i]);      \
             }                                                                                \
         }                                                                                    \
-        free(part);                                                                          \
+        free(first); free(part); free(qf); free(useq);                                       \
         return 0;                                                                            \
     }
 
@@ -473,6 +581,17 @@ DEFINE_SILU_MUL(f32, float)
 DEFINE_SILU_MUL(bf16, uint16_t)
 DEFINE_DECODE_ATTN(f32, float)
 DEFINE_DECODE_ATTN(bf16, uint16_t)
+DEFINE_ATTEND(f32, float, bf16, uint16_t)
+
+/* fp32 queries over a bfloat16 cache (kv_cache_dtype bfloat16 under a float32 model): the
+ * stored values, widened exactly, as reading the cache back would give them. */
+int decode_attention_bf16kv_f32(const float *q, const uint16_t *k, const uint16_t *v,
+                                const int64_t *slots, const int64_t *lens, int64_t seqs,
+                                int64_t max_ctx, int64_t heads, int64_t kv_heads, int64_t dim,
+                                float scale, float *out, int threads) {
+    return attend_f32_bf16(q, k, v, NULL, NULL, 1.0f, 0, kv_heads, slots, lens, seqs, max_ctx,
+                           heads, kv_heads, dim, scale, out, threads);
+}
 
 /* Copy each new token's K and V row (strided views into the fused QKV output) into its slot of
  * the layer's cache tensors [slots, width]. */

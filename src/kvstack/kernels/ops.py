@@ -65,11 +65,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, H, D] contiguous; k_cache, v_cache: [slots, H_kv, D] of q's dtype; slots:
-    int64 [B, max_ctx]; lens: int64 [B] -> out [B, H, D]."""
+    """q: [B, H, D] contiguous; k_cache, v_cache: [slots, H_kv, D] of q's dtype, or bfloat16
+    under float32 queries (`cache_readable`); slots: int64 [B, max_ctx]; lens: int64 [B] ->
+    out [B, H, D]."""
     seqs, heads, dim = q.shape
     out = torch.empty_like(q)
-    rc = _fn("decode_attention", q.dtype)(
+    fn = (_bf16_cache_fn() if k_cache.dtype != q.dtype else _fn("decode_attention", q.dtype))
+    assert cache_readable(q.dtype, k_cache.dtype) and v_cache.dtype == k_cache.dtype
+    rc = fn(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lens.data_ptr(),
         seqs, slots.shape[1], heads, k_cache.shape[1], dim, scale, out.data_ptr(),
         torch.get_num_threads(),
@@ -77,6 +80,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if rc:
         raise MemoryError("decode attention: no memory for its per-chunk partial results")
     return out
+
+
+def cache_readable(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """`decode_attention` reads a plain cache of `cache_dtype` under queries of `dtype`."""
+    return cache_dtype == dtype or (dtype, cache_dtype) == (torch.float32, torch.bfloat16)
+
+
+def _bf16_cache_fn() -> ctypes._CFuncPtr:
+    """`decode_attention_bf16kv_f32` (fp32 queries over a bfloat16 cache), bound here: its
+    arguments are `decode_attention`'s."""
+    lib = build.load()
+    assert lib is not None, "check kernels.ops.available() first"
+    fn = lib.decode_attention_bf16kv_f32
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = lib.decode_attention_f32.argtypes, ctypes.c_int
+    return fn
 
 
 def store_kv_quant(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,

@@ -221,14 +221,15 @@ def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: Attenti
                    scale: float | None = None) -> bool:
     """Decode rows through the C kernel, reading K/V slots in place (no gathered copy of the
     context per step); a window layer gets each row's last `window` slots. Plain caches of
-    q's dtype and int8 / fp8 ones (dequantized in the kernel); False where it does not apply
-    (other storages, kernels off)."""
+    q's dtype (or bfloat16 under float32), int8 / fp8 ones (dequantized in the kernel); False
+    where it does not apply (other storages, kernels off)."""
     if (not meta.use_kernels or meta.decode_lens is None
             or not kernel_ops.available(q.dtype)):
         return False
-    tensors = kv_storage.layer_tensors(layer)
+    tensors = kv_storage.stored_tensors(layer)  # a bfloat16 cache widens exactly, as `read`
     quantized = kv_storage.quantized_tensors(layer)
-    if not (tensors is not None and tensors[0].dtype == q.dtype or quantized is not None):
+    if not (tensors is not None and kernel_ops.cache_readable(q.dtype, tensors[0].dtype)
+            or quantized is not None):
         return False
     rows = meta.decode_rows
     only_decodes = not meta.prefills and rows.numel() == q.shape[0]

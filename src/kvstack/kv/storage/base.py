@@ -69,6 +69,12 @@ class KVCacheStorage:
         place; None when what is stored is not what `read` returns (lossy storage)."""
         return None if self.lossy else (self.k[layer], self.v[layer])
 
+    def stored_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This layer's K and V float tensors [slots, H_kv, D] as stored, lossy or not, for
+        kernels that widen another float dtype exactly as `read` does (bfloat16 under float32
+        queries); None for storages whose tensors are codes (quantized, int4)."""
+        return self.k[layer], self.v[layer]
+
     def quantized_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A quantized storage's (codes [slots, 2, H_kv, D], float16 scales [slots, 2, H_kv])
         of this layer, for the kernels (`kv/storage/quantized.py`); None for other storages."""

@@ -108,6 +108,9 @@ class Int4KVStorage(KVCacheStorage):
     def lossy(self) -> bool:
         return True
 
+    def stored_tensors(self, layer: int) -> None:
+        return None
+
     @property
     def num_window_blocks_used(self) -> int:
         return len(self._window_of)

@@ -107,6 +107,9 @@ class QuantizedKVStorage(KVCacheStorage):
     def layer_tensors(self, layer: int) -> None:
         return None
 
+    def stored_tensors(self, layer: int) -> None:
+        return None
+
     def quantized_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[layer], self.scale[layer]
 
