@@ -190,6 +190,16 @@ def test_peers_case_runs_every_engine_and_reports_ratios(all_results: dict[str, 
         assert d["bandwidth_bytes_per_s"] == pytest.approx(d["bytes_per_step"]
                                                            * d["decode_tok_s"])
         assert d["bandwidth_fraction"] == pytest.approx(d["bandwidth_bytes_per_s"] / bandwidth)
+        # Decode after the long prompt: more KV read per step than after the chat prompt.
+        for workload, want in config["long_decode"].items():
+            long = e[workload]
+            assert long["num_new_tokens"] == len(long["token_ids"]) == want["new_tokens"]
+            assert long["mean_context_tokens"] > want["prompt_tokens"] > config["decode"]["prompt_tokens"]
+            assert long["bytes_per_step"] > d["bytes_per_step"], name
+            assert long["bandwidth_fraction"] == pytest.approx(
+                long["bytes_per_step"] * long["decode_tok_s"] / bandwidth)
+    assert list(config["long_decode"]) == ["decode_80"]
+    assert "decode after 80 tokens" in data["summary"]
     # Same float32 weights and greedy decoding: transformers picks our tokens.
     n = config["decode"]["new_tokens"]
     assert results["token_reference"] == "kvstack_float32"
@@ -198,7 +208,7 @@ def test_peers_case_runs_every_engine_and_reports_ratios(all_results: dict[str, 
     assert ran["kvstack_bfloat16"]["weight_bytes"] * 2 == ran["kvstack_float32"]["weight_bytes"]
     for ours in (k for k in ran if k.startswith("kvstack_")):
         r = results["ratios"][ours]
-        for workload in ("decode", "prefill", "batch"):
+        for workload in ("decode", "decode_80", "prefill", "batch"):
             assert positive(r[f"{workload}_over_transformers"])
             assert r[f"{workload}_over_llamacpp"] is None
     assert data["plots"] == ["peers.png"]

@@ -7,6 +7,9 @@ Our `gguf` format runs the GGUF file's own quantized blocks: the same bytes llam
 - prefill: a ~1,800-token document, one new token: prompt tokens / TTFT.
 - batch: 32 distinct ~128-token prompts at once, 64 new tokens each: output tok/s. llama.cpp
   runs single streams only here.
+- decode_1000, decode_4000: decode again after a 1,000- and a 4,000-token prompt (the start
+  of the same document), 32 new tokens: where real chats, agents and RAG run, and where the
+  KV cache read per step rivals the weights.
 
 Our engines run the C kernels `KVSTACK_KERNELS` selects (`--isa avx2|avx512` sets it; default:
 the best this CPU runs); the summary line and the JSON's `config.kernels` name the
@@ -37,11 +40,12 @@ from kvstack.bench.common import (
 )
 from kvstack.bench.format import per_second, ratio
 from kvstack.bench.peers import display, llamacpp
-from kvstack.bench.peers.display import PEERS, WORKLOADS, rate
+from kvstack.bench.peers.display import PEERS, rate, workloads
 from kvstack.bench.peers.runners import LlamaCppRunner, OursRunner, Runner, TransformersRunner
 from kvstack.bench.peers.workloads import (
     BANDWIDTH_REPEATS,
     Workloads,
+    long_workload,
     measure_read_bandwidth,
     sizes,
 )
@@ -84,6 +88,8 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         batch=distinct_prompts(subject, s.batch, s.batch_prompt_tokens),
         sizes=s,
     )
+    text = document(subject, max(s.long_contexts, default=0))
+    work.long = {n: text[:n] for n in s.long_contexts if len(text) >= n}
     subject.require_context(work.max_len, "the peers benchmark")
     formats = engine_formats(options)
     kernels = build.describe()  # raises the one-line error for a forced ISA this CPU lacks
@@ -99,7 +105,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     probes.append(measure_read_bandwidth(s.bandwidth_probe_bytes))
     bandwidth = max(probes)
     reference = _finish_decode_records(engines, bandwidth)
-    ratios = _ratios(engines)
+    ratios = _ratios(engines, work)
     return CaseResult(
         case="peers",
         summary=display.summary(engines, ratios, bandwidth, work, kernels),
@@ -147,12 +153,12 @@ def _finish_decode_records(engines: dict[str, dict[str, Any]], bandwidth: float)
     first format's, float32 unless --dtype says) whose tokens the others are compared with."""
     reference = next(k for k in engines if "decode" in engines[k])
     for engine in engines.values():
-        if "decode" in engine:
-            d = engine["decode"]
+        for key in [k for k in engine if k.startswith("decode")]:
+            d = engine[key]
             d["bandwidth_bytes_per_s"] = d["bytes_per_step"] * d["decode_tok_s"]
             d["bandwidth_fraction"] = d["bandwidth_bytes_per_s"] / bandwidth
             d["matching_tokens_vs_reference"] = common_prefix_len(
-                engines[reference]["decode"]["token_ids"], d["token_ids"])
+                engines[reference][key]["token_ids"], d["token_ids"])
     return reference
 
 
@@ -170,6 +176,9 @@ def _config(options: BenchOptions, work: Workloads,
                  "turn, so a burst of load from other jobs hits them alike",
         "batch": {"num_prompts": s.batch, "prompt_tokens": s.batch_prompt_tokens,
                   "new_tokens": s.batch_new_tokens, "llamacpp": "not run (single stream)"},
+        "long_decode": {long_workload(n): {"prompt_tokens": len(p),
+                                           "new_tokens": s.long_new_tokens}
+                        for n, p in work.long.items()},
         "kvstack_formats": dict(formats),
         "transformers_dtype": "float32",
         "llamacpp_weights": "the model's GGUF file as is (the same bytes as kvstack_gguf; other "
@@ -184,15 +193,19 @@ def _measure(runners: dict[str, Runner], engines: dict[str, dict[str, Any]], wor
     """Every workload `repeats` times on every engine in turn; each engine keeps its best run
     (fastest decode, prefill and batch) in `engines[key]`."""
     s = work.sizes
-    total = s.repeats * len(runners) * len(WORKLOADS)
+    names = workloads(work)
+    prompts = {"decode": (work.chat, s.decode_new_tokens)} | {
+        long_workload(n): (p, s.long_new_tokens) for n, p in work.long.items()}
+    total = s.repeats * len(runners) * len(names)
     with progress(options, total, "peers") as bar:
-        for workload in WORKLOADS:
+        for workload in names:
             for _ in range(s.repeats):
                 for key, runner in runners.items():
                     info = engines[key]
-                    if workload == "decode":
-                        ids, ttft, gaps = runner.decode(work.chat, s.decode_new_tokens)
-                        record = _decode_record(ids, ttft, gaps, len(work.chat),
+                    if workload in prompts:
+                        prompt, new_tokens = prompts[workload]
+                        ids, ttft, gaps = runner.decode(prompt, new_tokens)
+                        record = _decode_record(ids, ttft, gaps, len(prompt),
                                                 info["weight_bytes"], info["kv_bytes_per_token"])
                     elif workload == "prefill":
                         record = _prefill_record(len(work.document),
@@ -235,11 +248,12 @@ def _batch_record(output_tokens: int, elapsed: float) -> dict[str, Any]:
             "output_tok_s": per_second(output_tokens, elapsed)}
 
 
-def _ratios(engines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+def _ratios(engines: dict[str, dict[str, Any]], work: Workloads
+            ) -> dict[str, dict[str, float | None]]:
     """ours / peer for every (our format, peer, workload): > 1 means kvstack is faster."""
     return {
         ours: {f"{workload}_over_{peer}": ratio(rate(engines[ours], workload),
                                                rate(engines[peer], workload))
-               for peer in PEERS for workload in WORKLOADS}
+               for peer in PEERS for workload in workloads(work)}
         for ours in engines if ours.startswith("kvstack_")
     }

@@ -6,18 +6,38 @@ from typing import Any
 
 from kvstack.bench.common import BenchOptions, TableRow
 from kvstack.bench.format import fmt, fmt_x
-from kvstack.bench.peers.workloads import Workloads
+from kvstack.bench.peers.workloads import Workloads, long_workload
 from kvstack.bench.plots import save_figure
 
-WORKLOADS = ("decode", "prefill", "batch")
 PEERS = ("transformers", "llamacpp")
 PEER_NAMES = {"transformers": "transformers", "llamacpp": "llama.cpp"}
 _METRIC = {"decode": "decode_tok_s", "prefill": "prefill_tok_s", "batch": "output_tok_s"}
 
 
+def workloads(work: Workloads) -> tuple[str, ...]:
+    """This run's workloads in the order they run: decode, decode after each long prompt,
+    prefill, batch."""
+    return ("decode", *(long_workload(n) for n in work.long), "prefill", "batch")
+
+
 def rate(engine: dict[str, Any], workload: str) -> float | None:
     """The workload's headline figure (tok/s) of one engine's results, None if not run."""
-    return engine.get(workload, {}).get(_METRIC[workload])
+    metric = "decode_tok_s" if workload.startswith("decode") else _METRIC[workload]
+    return engine.get(workload, {}).get(metric)
+
+
+def _long_text(engine: dict[str, Any], ratios: dict[str, float | None], work: Workloads) -> str:
+    """", decode after 1000 tokens 120 (1.2x vs llama.cpp, 40% of bandwidth), ..." """
+    parts = []
+    for n in work.long:
+        d = engine.get(long_workload(n))
+        if d is None:
+            continue
+        vs = ratios.get(f"{long_workload(n)}_over_llamacpp")
+        parts.append(f"after {n} tokens {fmt(d['decode_tok_s'])} ("
+                     + (f"{fmt_x(vs)} vs llama.cpp, " if vs is not None else "")
+                     + f"{fmt(d['bandwidth_fraction'] * 100, 0)}% of bandwidth)")
+    return "".join(f", decode {p}" for p in parts)
 
 
 def _ours_names(engines: dict[str, dict[str, Any]]) -> list[str]:
@@ -62,6 +82,7 @@ def summary(engines: dict[str, dict[str, Any]], ratios: dict[str, dict[str, floa
             f"{fmt_x(r['prefill_over_llamacpp'])}), batch {fmt(rate(e, 'batch'), 0)} "
             f"({fmt_x(r['batch_over_transformers'])}), decode at "
             f"{fmt(e['decode']['bandwidth_fraction'] * 100, 0)}% of bandwidth"
+            + _long_text(e, r, work)
         )
     t = engines["transformers"]
     parts.append(f"transformers: decode {fmt(rate(t, 'decode'))}, prefill "
@@ -72,7 +93,8 @@ def summary(engines: dict[str, dict[str, Any]], ratios: dict[str, dict[str, floa
     else:
         parts.append(f"{_llamacpp_label(engines)}: decode {fmt(rate(llama, 'decode'))}, "
                      f"prefill {fmt(rate(llama, 'prefill'), 0)}, decode at "
-                     f"{fmt(llama['decode']['bandwidth_fraction'] * 100, 0)}% of bandwidth")
+                     f"{fmt(llama['decode']['bandwidth_fraction'] * 100, 0)}% of bandwidth"
+                     + _long_text(llama, {}, work))
     return " | ".join(parts)
 
 
@@ -89,9 +111,10 @@ def table(engines: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float 
         "prefill": f"prefill tok/s, {len(work.document)}-token prompt (TTFT)",
         "batch": f"output tok/s, {s.batch} concurrent ~{s.batch_prompt_tokens}-token prompts, "
                  f"{s.batch_new_tokens} new tokens",
-    }
+    } | {long_workload(n): f"decode tok/s, 1 stream, {len(p)}-token prompt, "
+                           f"{s.long_new_tokens} new tokens" for n, p in work.long.items()}
     rows = []
-    for workload in WORKLOADS:
+    for workload in workloads(work):
         ran = [p for p in PEERS if rate(engines[p], workload) is not None]
         rows.append(TableRow(
             f"{titles[workload]}; kvstack {names}",
@@ -100,15 +123,17 @@ def table(engines: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float 
             "; ".join(" / ".join(fmt_x(ratios.get(k, {}).get(f"{workload}_over_{p}"))
                                  for k in ours) + f" vs {PEER_NAMES[p]}" for p in ran),
         ))
-    measured = [k for k in ours if "decode" in engines[k]]
-    rows.append(TableRow(
-        f"decode memory bandwidth (weights + KV read per step x steps/s) vs "
-        f"{fmt(bandwidth / 1e9)} GB/s measured; kvstack "
-        + " / ".join(k.removeprefix("kvstack_") for k in measured),
-        " / ".join(_bandwidth_text(engines[k]) for k in measured),
-        "; ".join(f"{labels[p]} {_bandwidth_text(engines[p])}" for p in PEERS
-                  if "decode" in engines[p]),
-    ))
+    for workload in (w for w in workloads(work) if w.startswith("decode")):
+        measured = [k for k in ours if workload in engines[k]]
+        context = "the chat prompt" if workload == "decode" else titles[workload].split(", ")[2]
+        rows.append(TableRow(
+            f"decode memory bandwidth after {context} (weights + KV read per step x steps/s) "
+            f"vs {fmt(bandwidth / 1e9)} GB/s measured; kvstack "
+            + " / ".join(k.removeprefix("kvstack_") for k in measured),
+            " / ".join(_bandwidth_text(engines[k][workload]) for k in measured),
+            "; ".join(f"{labels[p]} {_bandwidth_text(engines[p][workload])}" for p in PEERS
+                      if workload in engines[p]),
+        ))
     return rows
 
 
@@ -117,8 +142,7 @@ def _llamacpp_label(engines: dict[str, dict[str, Any]]) -> str:
     return "llama.cpp" if "skipped" in llama else f"llama.cpp {llama['weight_type']} GGUF"
 
 
-def _bandwidth_text(engine: dict[str, Any]) -> str:
-    d = engine["decode"]
+def _bandwidth_text(d: dict[str, Any]) -> str:
     percent = fmt(d["bandwidth_fraction"] * 100, 0)
     return f"{fmt(d['bandwidth_bytes_per_s'] / 1e9)} GB/s ({percent}%)"
 

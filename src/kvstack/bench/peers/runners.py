@@ -41,7 +41,8 @@ class OursRunner(Runner):
     def __init__(self, subject: Subject, work: Workloads, kwargs: dict[str, str]) -> None:
         s = work.sizes
         need = max(len(work.document), len(work.chat) + s.decode_new_tokens,
-                   sum(len(p) + s.batch_new_tokens + 16 for p in work.batch))
+                   sum(len(p) + s.batch_new_tokens + 16 for p in work.batch),
+                   *(len(p) + s.long_new_tokens for p in work.long.values()))
         self.llm = subject.llm(**kwargs, enable_prefix_caching=False, max_num_seqs=s.batch,
                                max_num_batched_tokens=max(2048, len(work.document) + 1),
                                kv_cache_memory=subject.kv_shape().bytes_for(need + 64))
