@@ -28,8 +28,8 @@
 /* A thread's groups of 4 W rows follow each other in memory, but a row of the embedded
  * model's shapes is only 576-1536 bytes: the 4 short streams of a group ended before the
  * hardware prefetcher caught on, and weights from memory came at a quarter of the bandwidth
- * (3-5 GB/s against 13 on one thread). Each block's 4 rows are prefetched this many groups
- * ahead (AVX2; the AVX-512 kernel is untested here and left as it was). */
+ * (3-5 GB/s against 13 on one thread). A single x row reads the 4 rows one after another,
+ * each block prefetched this many groups ahead (both ISAs; also AVX-512's bf16 x bf16). */
 #define Q8_AHEAD 2
 
 /* corr (or NULL): per row, 128 * sum(x as rounded); see gemv_q8. */
@@ -251,7 +251,33 @@ DEFINE_GEMV(gemv_i8, i8, int8_t)
             for (int j = 0; j < 4; j++) out[r][j] = _mm512_reduce_add_ps(acc[r][j]);           \
     }
 
-DEFINE_Q8_BLOCK(1)
+/* One x row (decode): the 4 W rows one after another rather than side by side, each block
+ * prefetched Q8_AHEAD groups ahead, as on AVX2 (576-byte rows side by side were 4 streams too
+ * short for the hardware prefetcher). Each (x row, W row) sum takes the same operations in the
+ * same order as in q8_block_2..4, so a row's result does not depend on its step's other rows. */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline void q8_block_1(const int8_t *xq, const float *sx, int64_t nb, int64_t k,
+                              const int8_t *w, int64_t nn, float out[1][4]) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int j = 0; j < 4; j++) {
+        if (j >= nn) {
+            out[0][j] = 0.f;
+            continue;
+        }
+        const int8_t *wr = w + j * k;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t lo = b * QB;
+            const __mmask64 m = k - lo >= QB ? ~(__mmask64)0 : (((__mmask64)1 << (k - lo)) - 1);
+            _mm_prefetch((const char *)(wr + lo + Q8_AHEAD * 4 * k), _MM_HINT_T0);
+            const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, wr + lo), flip);
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv,
+                                                  _mm512_loadu_si512(xq + b * QB));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sx[b]), acc);
+        }
+        out[0][j] = _mm512_reduce_add_ps(acc);
+    }
+}
 DEFINE_Q8_BLOCK(2)
 DEFINE_Q8_BLOCK(3)
 DEFINE_Q8_BLOCK(4)
@@ -292,7 +318,27 @@ void gemv_q8(const float *x, int64_t rows, int64_t k, const int8_t *w, int64_t n
             for (int j = 0; j < 4; j++) out[r][j] = _mm512_reduce_add_ps(acc[r][j]);           \
     }
 
-DEFINE_BF16DP_BLOCK(1)
+/* One x row: W rows one after another, prefetched, as q8_block_1 (same sums, same order). */
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static inline void bf16dp_block_1(const uint16_t *xb, int64_t kp, int64_t k, const uint16_t *w,
+                                  int64_t nn, float out[1][4]) {
+    (void)kp;
+    for (int j = 0; j < 4; j++) {
+        if (j >= nn) {
+            out[0][j] = 0.f;
+            continue;
+        }
+        const uint16_t *wr = w + j * k;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < k; i += 32) {
+            const __mmask32 m = k - i >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (k - i)) - 1);
+            _mm_prefetch((const char *)(wr + i + Q8_AHEAD * 4 * k), _MM_HINT_T0);
+            const __m512i wv = _mm512_maskz_loadu_epi16(m, wr + i);
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(xb + i), (__m512bh)wv);
+        }
+        out[0][j] = _mm512_reduce_add_ps(acc);
+    }
+}
 DEFINE_BF16DP_BLOCK(2)
 DEFINE_BF16DP_BLOCK(3)
 DEFINE_BF16DP_BLOCK(4)
