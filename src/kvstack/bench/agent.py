@@ -76,7 +76,9 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     arms: dict[str, dict[str, Any]] = {}
     for arm in ARMS:
         arms[arm] = _run_arm(subject, options, trace, size, arm, longest)
-        _progress(options, f"agent {arm}: {arms[arm]['total_s']:.1f} s")
+        _progress(options, f"agent {arm}: {arms[arm]['total_s']:.1f} s; TTFT per turn (ms) "
+                  f"{[round(t * 1000) for t in arms[arm]['ttft_s']]}; computed per turn "
+                  f"{arms[arm]['computed_tokens']}")
     idle = _run_idle(subject, options, trace, size)
     targets = _targets(arms, idle)
     plot = _plot(options, arms)
