@@ -28,6 +28,7 @@ run: $(STAMP)
 
 test: $(STAMP) redis-server chromium
 	$(BIN)/ruff check src tests
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 # The Redis tier's tests start their own redis-server (Debian's) on a free loopback port.

@@ -82,7 +82,7 @@ class CacheConfig:
     kv_redis_ttl_s: int = 86400
     # Bytes of completed blocks waiting for the tier writer; past it new blocks are dropped.
     kv_tier_queue_bytes: int = 256 * 1024**2
-    # Element type of the stored K/V (kv/kv_dtype.py): auto (the model's), float32, bfloat16,
+    # Element type of the stored K/V (kv/dtypes.py): auto (the model's), float32, bfloat16,
     # float16, int8, fp8 (e4m3) or int4 (KIVI-style, the block being filled kept exact).
     kv_cache_dtype: str = "auto"
     # Sliding-window mode (approximate, StreamingLLM): each token attends to the first

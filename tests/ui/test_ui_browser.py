@@ -60,7 +60,7 @@ def wait_for(check: Callable[[], Any], timeout: float = 60, what: str = "conditi
     while True:
         try:
             value = check()
-        except Exception:  # noqa: BLE001 - an element not there yet, a stale one
+        except Exception:  # an element not there yet, a stale one
             value = None
         if value:
             return value

@@ -128,6 +128,7 @@ def _ours(subject: Subject, options: BenchOptions, prompt: list[int], new_tokens
     assert final is not None and final.metrics.first_token_time is not None
     m = final.metrics
     end = m.finished_time or m.last_token_time
+    assert end is not None  # the request produced its tokens
     return _record(
         token_ids=final.outputs[0].token_ids,
         ttft=m.ttft,

@@ -165,6 +165,7 @@ class Subject:
         template = getattr(self.tokenizer, "chat_template", None)
         if template is None:
             return self.encode(question)
+        assert self.tokenizer is not None  # it has a template
         ids = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
         )
@@ -318,7 +319,7 @@ def _cpu_model() -> str:
 def report(result: CaseResult, options: BenchOptions,
            echo: Callable[[str], None] = print) -> Path:
     """Print the case's summary line and write its JSON; return the JSON path."""
-    payload = {
+    payload: dict[str, Any] = {
         "case": result.case,
         "summary": result.summary,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

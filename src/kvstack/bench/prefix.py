@@ -156,7 +156,7 @@ def _row(question: str, prompt: list[int], cold: Sample, warm: Sample, peer_cold
 
 def _aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the questions per engine, and the ratios between the engines."""
-    agg = {
+    agg: dict[str, Any] = {
         side: {
             "median_cold_ttft_s": median([r[side]["cold_ttft_s"] for r in rows]),
             "median_warm_ttft_s": median([r[side]["warm_ttft_s"] for r in rows]),

@@ -79,7 +79,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
 
 
 def _measure(subject: Subject, options: BenchOptions, prompts: list[list[int]],
-             budgets: dict[str, int], block_size: int,
+             budgets: dict[str, float], block_size: int,
              new_tokens: int) -> tuple[dict[str, dict[str, Any]], dict[str, list[list[int]]]]:
     """Per KV budget: the run's numbers, and every request's output tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -120,7 +120,8 @@ def _all_at_once(llm: LLM, prompts: list[list[int]], params: SamplingParams,
     }, token_ids
 
 
-def _summary(config: dict[str, Any], results: dict[str, Any], budgets: dict[str, int]) -> str:
+def _summary(config: dict[str, Any], results: dict[str, Any], budgets: dict[str, float]
+             ) -> str:
     c, u = results["constrained"], results["unconstrained"]
     return (
         f"pressure: {config['num_requests']} requests (~{config['prompt_tokens']}-token prompts, "

@@ -93,7 +93,7 @@ def _timed(llm: Any, segments: list[Any], blend: BlendParams | None) -> dict[str
 
 def _arm(subject: Subject, qs: list[list[Any]], name: str, bar: Any, **kwargs: Any
          ) -> list[dict[str, Any]]:
-    longest = max(sum(len(s.token_ids) if isinstance(s, Chunk) else len(s) for s in q)
+    longest = max(sum(len(s.token_ids or ()) if isinstance(s, Chunk) else len(s) for s in q)
                   for q in qs) + 1
     llm = subject.llm(enable_prefix_caching=True, max_num_batched_tokens=max(2048, longest),
                       kv_cache_memory=subject.kv_shape().bytes_for(longest, 4), **kwargs)
@@ -124,7 +124,7 @@ def _in_fresh_process(options: BenchOptions, qs: list[list[Any]], disk_dir: str
     disk directory is shared."""
     spec = {"options": {k: v for k, v in asdict(options).items() if k in (
         "model", "threads", "dtype", "quantization")}, "disk_dir": disk_dir,
-        "queries": [[{"ids": list(s.token_ids), "chunk": True} if isinstance(s, Chunk) else
+        "queries": [[{"ids": list(s.token_ids or ()), "chunk": True} if isinstance(s, Chunk) else
                      {"ids": list(s), "chunk": False} for s in q] for q in qs]}
     rows = in_fresh_process("kvstack.bench.rag", spec, "rag benchmark's disk arm")
     return [r | {"logprobs": torch.tensor(r["logprobs"])} for r in rows]
@@ -185,7 +185,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
 
 def _rows(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     ref = samples["full_prefill"]
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for name, runs in samples.items():
         kls = [float((r["logprobs"].exp() * (r["logprobs"] - a["logprobs"])).sum())
                for r, a in zip(ref, runs, strict=True)]

@@ -70,7 +70,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         bar.update()
     diff_cached = _max_diff(cached["scores"], peer["scores"])
     diff_uncached = _max_diff(uncached["scores"], peer["scores"])
-    results = {name: {k: v for k, v in arm.items() if k != "scores"}
+    results: dict[str, Any] = {name: {k: v for k, v in arm.items() if k != "scores"}
                for name, arm in (("kvstack_prefix_cache", cached),
                                  ("kvstack_no_prefix_cache", uncached),
                                  ("transformers", peer))}

@@ -142,6 +142,7 @@ def system_prompt(subject: Subject, num_tokens: int) -> str:
         ids += subject.encode(text)
         if len(ids) >= num_tokens:
             break
+    assert subject.tokenizer is not None
     return ("Answer questions about Python using this reference.\n\n"
             + subject.tokenizer.decode(ids[:num_tokens]))
 

@@ -89,7 +89,8 @@ def _level(llm: LLM, peer: TransformersPeer | None, batch: list[list[int]],
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
     elapsed = time.perf_counter() - start
     bar.update(1)
-    row = {"concurrency": len(batch), "ours": _ours_row(outs, elapsed, new_tokens)}
+    row: dict[str, Any] = {"concurrency": len(batch),
+                           "ours": _ours_row(outs, elapsed, new_tokens)}
     if peer is not None:
         row["transformers"] = _peer_row(peer, batch, new_tokens)
         ours_ids = [o.outputs[0].token_ids for o in outs]

@@ -157,7 +157,9 @@ def direct_costs(subject: Subject, num_prompts: int) -> dict[str, Any]:
         {"role": "system", "content": "Summarise the reference below."},
         {"role": "user", "content": text[:900]}])} for text in topic_texts()[:num_prompts]]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
-    texts = TextCache(lambda ids: subject.tokenizer.decode(list(ids), skip_special_tokens=False))
+    tokenizer = subject.tokenizer
+    assert tokenizer is not None
+    texts = TextCache(lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False))
     viewer = Viewer(OPEN, "public", None)
     snap_s, render_s = [], []
     for _ in range(20):

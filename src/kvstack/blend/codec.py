@@ -37,11 +37,12 @@ class ChunkHeader:
     crc32: int
 
 
-def parse_chunk_header(data: bytes | memoryview) -> ChunkHeader:
+def parse_chunk_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
     """The header of an encoded chunk entry; raises BlockFault if it is not one."""
     if len(data) < HEADER.size:
         raise BlockFault("truncated", f"{len(data)} bytes is shorter than a chunk header")
-    magic, version, dtype, *layout, fingerprint, key, payload_len, crc = HEADER.unpack_from(data)
+    (magic, version, dtype, num_layers, num_kv_heads, head_dim, num_tokens, fingerprint, key,
+     payload_len, crc) = HEADER.unpack_from(data)
     if magic != CHUNK_MAGIC:
         raise BlockFault("bad_magic", "not a kvstack chunk entry")
     if version != CHUNK_VERSION:
@@ -49,7 +50,8 @@ def parse_chunk_header(data: bytes | memoryview) -> ChunkHeader:
     if dtype not in _DTYPE_NAMES or _DTYPE_NAMES[dtype] not in ("float32", "bfloat16",
                                                                 "float16"):
         raise BlockFault("layout", f"unknown chunk dtype code {dtype}")
-    return ChunkHeader(_DTYPE_NAMES[dtype], *layout, fingerprint.hex(), key, payload_len, crc)
+    return ChunkHeader(_DTYPE_NAMES[dtype], num_layers, num_kv_heads, head_dim, num_tokens,
+                       fingerprint.hex(), key, payload_len, crc)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ def _attention(check: Check) -> torch.Tensor:
 
 def _impact(check: Check) -> torch.Tensor:
     dv = (check.fresh_v.float() - check.placed_v.float()).norm(dim=-1)  # [n, H_kv]
-    return (check.attention() * dv.T).sum(0)
+    impact: torch.Tensor = (check.attention() * dv.T).sum(0)  # torch types `*` loosely
+    return impact
 
 
 DYNAMIC: dict[str, Callable[[Check], torch.Tensor]] = {

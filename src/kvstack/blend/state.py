@@ -81,7 +81,7 @@ class BlendState:
 
     def placements(self) -> list[Placement]:
         """Hit chunk tokens in the region, in order."""
-        out = []
+        out: list[Placement] = []
         first = self.region_start
         if first is None or self.entries is None:
             return out

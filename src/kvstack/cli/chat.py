@@ -22,7 +22,7 @@ from kvstack.cli.args import (
 from kvstack.units import format_ms
 
 if TYPE_CHECKING:
-    from kvstack.engine.llm import Message
+    from kvstack.engine.chat import Message
 
 _EXIT_COMMANDS = ("/exit", "/quit")
 

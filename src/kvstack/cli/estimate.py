@@ -1,6 +1,6 @@
 """`kvstack estimate`: KV-cache bytes of a shape or a model, and what fits in a budget.
 
-Bytes are the engine's own arithmetic (`KVShape`, `kv/kv_dtype.py`): quantized dtypes count
+Bytes are the engine's own arithmetic (`KVShape`, `kv/dtypes.py`): quantized dtypes count
 their scales, int4 its full-precision window pool, window mode the blocks a sequence keeps, and
 the budget rows size the pool exactly as the engine does (`num_blocks_for_budget`), so they
 say what `--kv-cache-memory` really holds, whole blocks included.
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                       + (f" of a page's {shape.layers_per_block} layers" if shape.page_layers
                          else "")),
     ]
-    if shape.window_blocks is not None:
+    if shape.window_blocks is not None and shape.window is not None:
         rows.append(("window (approximate)",
                      f"{shape.sink_tokens} sink + {shape.window - shape.sink_tokens} recent "
                      f"tokens attended; a sequence keeps at most {shape.window_blocks} blocks "

@@ -210,7 +210,7 @@ class ClusterEngine:
                 await job()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - upkeep must outlive any one failure
+            except Exception:  # upkeep must outlive any one failure
                 logger.exception("cluster upkeep (%s) failed", getattr(job, "__name__", job))
             await asyncio.sleep(period_s)
 

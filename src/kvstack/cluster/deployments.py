@@ -101,7 +101,8 @@ class EngineDeployment:
 
 @serve.ingress()
 class Ingress:
-    async def __init__(self, engine: DeploymentHandle, spec: ClusterSpec) -> None:
+    # Ray Serve awaits an async constructor; Python's typing knows no such thing.
+    async def __init__(self, engine: DeploymentHandle, spec: ClusterSpec) -> None:  # type: ignore[misc]
         view = ClusterView(spec.router if spec.router in POLICIES else "round-robin",
                            oracle_pins=spec.oracle_pins)
         register_view(spec.app_name, ENGINE, view)  # before the handle makes its router
@@ -121,12 +122,14 @@ class Ingress:
 def build_app(spec: ClusterSpec) -> Any:
     """The bound application: `serve.run(build_app(spec), name=spec.app_name)`."""
     ours = spec.router in POLICIES
-    router_config = RequestRouterConfig(
-        request_router_class=OUR_ROUTER if ours else RAY_PREFIX_ROUTER,
-        request_router_kwargs={"policy": spec.router} if ours else {},
-        request_routing_stats_period_s=spec.routing_period_s,
-        request_routing_stats_timeout_s=max(10 * spec.routing_period_s, 5.0),
-    )
+    # Ray's pydantic model takes these as documented; its stubs type every field as a dict.
+    options: dict[str, Any] = {
+        "request_router_class": OUR_ROUTER if ours else RAY_PREFIX_ROUTER,
+        "request_router_kwargs": {"policy": spec.router} if ours else {},
+        "request_routing_stats_period_s": spec.routing_period_s,
+        "request_routing_stats_timeout_s": max(10 * spec.routing_period_s, 5.0),
+    }
+    router_config = RequestRouterConfig(**options)
     engine = serve.deployment(
         EngineDeployment, name=ENGINE, num_replicas=spec.num_replicas,
         max_ongoing_requests=spec.max_num_seqs,
@@ -144,4 +147,6 @@ def build_app(spec: ClusterSpec) -> Any:
                                max_ongoing_requests=1024)
     llm_kwargs = {**spec.llm_kwargs, "num_threads": spec.replica_threads,
                   "max_num_seqs": spec.max_num_seqs}
-    return ingress.bind(engine.bind(llm_kwargs, spec.server_config.max_waiting), spec)
+    # serve.deployment(cls, ...) returns a Deployment; its stubs only know the decorator form.
+    return ingress.bind(engine.bind(llm_kwargs, spec.server_config.max_waiting),  # type: ignore[attr-defined]
+                        spec)

@@ -151,7 +151,7 @@ class LocalRedis:
             try:
                 self.client().ping()
                 return self
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:  # not up yet
                 time.sleep(0.1)
         self.__exit__(None, None, None)
         raise ClusterStartError("redis-server did not answer within 10 s")

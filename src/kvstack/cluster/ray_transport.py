@@ -33,10 +33,10 @@ class HandleTransport:
         response = self._generate.remote(request)
         finished = False
         try:
-            async for item in response:
+            async for item in response:  # type: ignore[union-attr]  # stream=True: a generator
                 yield item
             finished = True
-        except BaseException as err:  # noqa: BLE001 - mapped below or re-raised as is
+        except BaseException as err:  # mapped below or re-raised as is
             _reraise(err)
         finally:
             if not finished:
@@ -48,7 +48,7 @@ class HandleTransport:
             handle = self._methods[method] = self._handle.options(method_name=method)
         try:
             return await handle.remote(control)
-        except BaseException as err:  # noqa: BLE001 - mapped below or re-raised as is
+        except BaseException as err:  # mapped below or re-raised as is
             _reraise(err)
 
     def close(self) -> None:

@@ -96,7 +96,7 @@ class AsyncLLM:
                 busy = self.engine.has_unfinished()
                 try:
                     outputs = self.engine.step() if busy else []
-                except BaseException as err:  # noqa: BLE001 - every stream must hear of it
+                except BaseException as err:  # every stream must hear of it
                     self._fail(err)
                     return
                 for out in outputs:

@@ -8,6 +8,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from typing import cast
 
 from kvstack.blend.blender import blend_state
 from kvstack.blend.params import BlendSpec
@@ -33,7 +34,7 @@ from kvstack.layers.sampler import Sampler
 from kvstack.outputs import DRAFT, MODEL, RequestOutput
 from kvstack.sampling_params import SamplingParams
 from kvstack.scoring.prompt import PromptScores
-from kvstack.structured import Grammar, StructuredBackend
+from kvstack.structured import Grammar, Guide, StructuredBackend
 
 
 class LLMEngine:
@@ -203,7 +204,7 @@ class LLMEngine:
         that one (the next step reports the request if that finished it)."""
         group = self.groups.pop(request_id)
         for request in group.samples if group else [self.requests.get(request_id)]:
-            if request is not None and self.requests.pop(request.request_id, None):
+            if request is not None and self.requests.pop(request.request_id, None) is not None:
                 self.scheduler.finish(request, "abort")  # ignores a finished one
                 if group is None and request.parent_request_id is not None:
                     self.groups.sample_ended(request)
@@ -231,8 +232,10 @@ class LLMEngine:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
         if self.structured is not None:  # masks computed while the model runs
-            self.structured.prepare([s.request.sampling_state.guide for s in batch.scheduled
-                                     if s.samples and s.request.sampling_state.guide])
+            # The guides an engine hands out are the backend's own (`structured.guide`).
+            self.structured.prepare(cast(list[Guide], [
+                s.request.sampling_state.guide for s in batch.scheduled
+                if s.samples and s.request.sampling_state.guide]))
         self.scores.before_run(s.request for s in batch.scheduled)
         result = self.runner.run(batch)
         # Tokens first (a block's hash needs its tokens), then the computed counts and the
@@ -294,6 +297,7 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
         else:
+            assert m.last_token_time is not None  # set with the first token
             m.inter_token_latencies.append(now - m.last_token_time)
         m.last_token_time = now
         request.output_token_ids.append(token)

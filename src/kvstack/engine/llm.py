@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -254,7 +254,8 @@ class LLM:
         `documents` (`[{"title": ..., "text": ...}]`, for every conversation) go into the
         system message, each one a chunk (the template is in `blend/segments.py` and the
         README); with `blend` their K/V are reused from the chunk cache (APPROXIMATE)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(Sequence[Sequence[Message]], [messages] if messages and isinstance(
+            messages[0], dict) else messages)
         prompts: list[PromptType] = []
         for c in conversations:
             if documents:

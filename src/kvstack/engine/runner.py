@@ -164,7 +164,7 @@ class ModelRunner:
         meta = self._metadata(batch, lambda s: s.block_ids)
         if self.layout is not None and self.layout.is_hybrid:
             # One block table per KV group: each group's layers read theirs.
-            metas = [meta] + [self._metadata(batch, lambda s, g=g: s.group_block_ids[g - 1])
+            metas = [meta] + [self._metadata(batch, _group_ids(g))
                               for g in range(1, self.layout.num_groups)]
             meta.layers = [(place, metas[group]) for place, group in self.layer_places]
         return (
@@ -288,3 +288,8 @@ def _top(rows: torch.Tensor, s: ScheduledRequest) -> list[list[tuple[int, float]
     """The top alternatives of each emitted token's row, when the request asked for k > 0."""
     k = s.request.sampling_params.logprobs
     return top_logprobs(rows, [k] * rows.shape[0]) if k else None
+
+
+def _group_ids(group: int) -> Callable[[ScheduledRequest], list[int]]:
+    """A scheduled request's block table in KV group `group` (> 0; group 0 is `block_ids`)."""
+    return lambda s: s.group_block_ids[group - 1]

@@ -175,10 +175,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     with LLM(model=args.model, kv_cache_memory="256MiB", enable_prefix_caching=False,
              max_num_batched_tokens=4096, num_threads=args.threads) as llm:
         tok = llm.engine.tokenizer
+        assert tok is not None  # the LLM loads its tokenizer
         items = make_items(args.seed, args.items,
                            lambda t: tok.encode(t, add_special_tokens=False))
         prompts = prompts_of(items, args.orders, args.seed)
-        params = {arm: None if ARMS[arm] is None else BlendParams(**ARMS[arm]) for arm in arms}
+        params = {arm: None if (kw := ARMS[arm]) is None else BlendParams(**kw) for arm in arms}
         per_item: list[dict[str, dict[str, list[float]]]] = []
         for i, item in enumerate(tqdm(items, desc="items", file=sys.stderr, leave=False,
                                       dynamic_ncols=True, disable=not args.progress)):

@@ -89,6 +89,7 @@ def evaluate(args: argparse.Namespace) -> list[KVRow]:
             info = llm.info
             # Bytes as the pool holds them while the window fills (the window's own bound
             # is the row's kv_window).
+            assert info.kv_shape is not None  # the paged KV cache is on
             shape = replace(info.kv_shape, window=None)
             rows.append(KVRow(name, info.kv_cache_dtype, kwargs.get("kv_window"),
                               shape.bytes_per_token, shape.max_tokens_for_budget(GIB), scores))

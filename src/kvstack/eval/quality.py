@@ -88,7 +88,7 @@ def perplexity(llm: LLM, token_ids: Sequence[int], window: int = 1024) -> Perple
     scores = [lp for out in outputs for lp in (out.prompt_token_logprobs or [])[1:]]
     if any(lp is None for lp in scores):
         raise AssertionError("engine left a prompt position unscored")
-    mean_nll = -math.fsum(scores) / len(scores)
+    mean_nll = -math.fsum(lp for lp in scores if lp is not None) / len(scores)
     return PerplexityResult(math.exp(mean_nll), mean_nll, len(scores))
 
 

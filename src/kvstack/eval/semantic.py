@@ -381,7 +381,7 @@ def _count(pairs: list[Pair]) -> dict[str, int]:
     return dict(counts)
 
 
-def _rate(num: int, total: int) -> float:
+def _rate(num: float, total: int) -> float:
     return num / total if total else 0.0
 
 

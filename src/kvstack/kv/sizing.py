@@ -1,5 +1,5 @@
 """KV-cache memory arithmetic: K and V of every layer, KV head and token, in the KV dtype, with
-the scales a quantized dtype stores beside them (`kv/kv_dtype.py`).
+the scales a quantized dtype stores beside them (`kv/dtypes.py`).
 
 The engine sizes its pool with `num_blocks_for_budget`, so an estimate for a budget is what
 gets allocated, not an approximation of it.
@@ -8,6 +8,7 @@ gets allocated, not an approximation of it.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from kvstack.config import ModelConfig
 from kvstack.errors import InvalidRequestError
@@ -42,7 +43,7 @@ class KVShape:
 
     @classmethod
     def of(cls, model: ModelConfig, dtype: str, layout: KVLayout | None = None,
-           **kwargs: object) -> KVShape:
+           **kwargs: Any) -> KVShape:
         if layout is not None and layout.is_hybrid:
             kwargs |= {"kv_groups": tuple((g.window, len(g.layers)) for g in layout.groups),
                        "page_layers": layout.page_layers}

@@ -25,9 +25,13 @@ class CausalLM(Protocol):
     its step; `compute_logits` returns float32 whatever the model dtype.
     """
 
-    config: ModelConfig
     dtype: torch.dtype
     use_kernels: bool  # the C decode kernels may run (False: the PyTorch reference path)
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's config (read-only here, so a family's own subclass of it fits)."""
+        ...
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor],
                      blocks: Mapping[str, GGUFLinear] | None = None) -> None:

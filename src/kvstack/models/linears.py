@@ -58,7 +58,7 @@ class LinearBuilder:
         else:
             embed = self.tensor(name).contiguous()
         if tied:
-            head = embed if isinstance(embed, GGUFLinear) else self._dense(embed, None)
+            head: AnyLinear = embed if isinstance(embed, GGUFLinear) else self._dense(embed, None)
         else:
             head = self._single("lm_head.weight", None)
         if tied and isinstance(head, Linear) and head.scale is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kvstack.config import ModelConfig
 from kvstack.errors import ModelLoadError, UnsupportedModelError
 from kvstack.kernels import ops as kernel_ops
-from kvstack.kernels.decode_step import DecodeStep, StepCaches, runs_in_decode_step
+from kvstack.kernels.decode_step import DecodeStep, LayerWeights, StepCaches, runs_in_decode_step
 from kvstack.kernels.gguf import GGUFLinear
 from kvstack.kernels.linear import Linear
 from kvstack.kv.storage.base import KVCacheStorage
@@ -179,9 +179,9 @@ class LlamaForCausalLM:
                        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             usable = all(runs_in_decode_step(lin) for lin in linears)
             c = self.config
-            self._step = DecodeStep(
-                self.layers, caches, self.dtype, c.hidden_size, c.num_heads, c.num_kv_heads,
-                c.head_dim, c.intermediate_size, c.rms_norm_eps,
+            self._step = DecodeStep(  # usable: each linear a Linear/GGUFLinear (LayerWeights)
+                cast(list[LayerWeights], self.layers), caches, self.dtype, c.hidden_size,
+                c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps,
             ) if caches is not None and usable else None
             self._step_for = kv_storage
         return self._step

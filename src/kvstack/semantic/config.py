@@ -37,10 +37,11 @@ class SemanticCacheConfig:
         if self.mode not in MODES:
             raise InvalidRequestError(f"semantic cache mode must be one of {', '.join(MODES)}, "
                                       f"got {self.mode!r}")
-        if self.threshold is None:
-            default = DEFAULT_THRESHOLD if self.mode == "trust" else DEFAULT_VERIFY_THRESHOLD
-            object.__setattr__(self, "threshold", default)
-        if not 0 < self.threshold <= 1:
+        threshold = self.threshold
+        if threshold is None:
+            threshold = DEFAULT_THRESHOLD if self.mode == "trust" else DEFAULT_VERIFY_THRESHOLD
+            object.__setattr__(self, "threshold", threshold)
+        if not 0 < threshold <= 1:
             raise InvalidRequestError(f"semantic threshold must be in (0, 1], got "
                                       f"{self.threshold}")
         if self.swap_similarity is not None and not -1 <= self.swap_similarity <= 1:

@@ -176,7 +176,7 @@ def _kinds() -> dict[str, tuple[str, str]]:
                 "yuan rupee peso byte kilobyte=kb megabyte=mb gigabyte=gb terabyte=tb "
                 "calorie=kcal watt volt amp=ampere joule acre hectare",
     }
-    kinds = {}
+    kinds: dict[str, tuple[str, str]] = {}
     for kind, members in table.items():
         for member in members.split():
             names = member.split("=")

@@ -21,7 +21,7 @@ class IndexFileError(Exception):
     """An index file is missing, truncated, corrupted or of another shape."""
 
 
-def _faiss():  # noqa: ANN202 - faiss has no type stubs
+def _faiss():  # faiss has no type stubs
     try:
         import faiss
     except ImportError as err:

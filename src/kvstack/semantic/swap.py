@@ -236,7 +236,7 @@ def _aligned_swap(seq_q: list[Word], seq_c: list[Word]) -> Swap | None:
                 tuple((a, b) for _, a, b in swapped_q), tuple((a, b) for _, a, b in swapped_c))
 
 
-def _opcodes(seq_q: list[Word], seq_c: list[Word]) -> list[tuple[str, int, int, int, int]]:
+def _opcodes(seq_q: list[Word], seq_c: list[Word]) -> Sequence[tuple[str, int, int, int, int]]:
     return difflib.SequenceMatcher(None, [stem(w) for w, _, _ in seq_q],
                                    [stem(w) for w, _, _ in seq_c],
                                    autojunk=False).get_opcodes()

@@ -97,7 +97,7 @@ def _state(engine: EngineClient, keys: KeyRing, config: ServerConfig,
         state.semantic = semantic_api.SemanticService.build(config.semantic, fingerprint,
                                                             state.metrics.registry)
     if config.ui and isinstance(engine, AsyncLLM):  # the view reads one engine's block pool
-        state.ui = build_ui(state)
+        state.ui = build_ui(state, engine)
     return state
 
 

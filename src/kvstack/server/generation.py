@@ -87,7 +87,7 @@ class Generation:
             # Cancelled while the request was still being queued: make sure it goes too.
             await self._engine.abort(self.request_id)
             raise
-        except Exception as err:  # noqa: BLE001 - handed to the reader, who raises it
+        except Exception as err:  # handed to the reader, who raises it
             self._queue.put_nowait(err)
 
     async def next(self) -> RequestOutput:

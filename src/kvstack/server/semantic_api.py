@@ -165,7 +165,7 @@ class Probe:
         try:
             await asyncio.to_thread(self.service.cache.store, self.scope, self.text, answer,
                                     self.lookup.vector)
-        except Exception:  # noqa: BLE001 - a cache that cannot store must not fail the answer
+        except Exception:  # a cache that cannot store must not fail the answer
             logger.exception("semantic cache: storing an answer failed")
             return
         self.service.metrics.stores.inc()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from kvstack.engine.async_llm import AsyncLLM
 from kvstack.sampling_params import SamplingParams
 from kvstack.server.auth import presented_key
 from kvstack.server.state import ServerState
@@ -19,8 +20,9 @@ from kvstack.ui.history import SemanticCounts
 from kvstack.ui.service import OutputStream, UiHost, UiService
 
 
-def build_ui(state: ServerState, interval_s: float = 1.0) -> UiService:
-    """The app's view service; the caller runs `service.run()` for the app's lifetime."""
+def build_ui(state: ServerState, engine: AsyncLLM, interval_s: float = 1.0) -> UiService:
+    """The app's view service over `engine` (the state's own, when it is one engine's: the
+    view reads its block pool); the caller runs `service.run()` for the app's lifetime."""
 
     def authorize(request: Request) -> Viewer | None:
         return state.keys.viewer(presented_key(request))
@@ -36,7 +38,7 @@ def build_ui(state: ServerState, interval_s: float = 1.0) -> UiService:
         return SemanticCounts(metrics.num_lookups, metrics.num_hits)
 
     host = UiHost(
-        engine=state.engine, model_name=state.model_name,
+        engine=engine, model_name=state.model_name,
         auth_required=state.keys.enabled,
         authorize=authorize, labels=state.keys.labels(), start=start,
         max_tokens=lambda asked, num_prompt: state.max_tokens(asked, num_prompt, 64),

@@ -57,7 +57,7 @@ class LatencyWindow:
             self._samples.popleft()
         out: dict[str, list[float] | None] = {}
         for i, name in ((1, "ttft"), (2, "tpot")):
-            values = [s[i] * 1000 for s in self._samples if s[i] is not None]
+            values = [v * 1000 for s in self._samples if (v := s[i]) is not None]
             out[name] = [round(percentile(values, q), 2) for q in PERCENTILES] if values else None
         return out
 

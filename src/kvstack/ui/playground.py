@@ -111,7 +111,7 @@ async def run(service: UiService, viewer: Viewer, params: SamplingParams,
             yield event
     except KvstackError as err:
         yield sse("error", compact_json({"message": " ".join(str(err).split())}))
-    except Exception as err:  # noqa: BLE001 - the page shows it; the stream must end cleanly
+    except Exception as err:  # the page shows it; the stream must end cleanly
         yield sse("error", compact_json({"message": f"internal error: {type(err).__name__}"}))
     finally:
         if stream is not None:

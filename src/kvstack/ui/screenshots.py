@@ -67,7 +67,7 @@ def _wait(check: Any, timeout: float, what: str) -> Any:
     while time.monotonic() < deadline:
         try:
             value = check()
-        except Exception:  # noqa: BLE001 - the element may not exist yet
+        except Exception:  # the element may not exist yet
             value = None
         if value:
             return value

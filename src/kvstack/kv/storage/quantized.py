@@ -44,7 +44,8 @@ def hadamard(n: int) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), dim=1), torch.cat((h, -h), dim=1)))
-    return h / n**0.5
+    normalized: torch.Tensor = h / n**0.5  # torch types `/` by a float loosely
+    return normalized
 
 
 def quantize_rows(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,7 +81,7 @@ class KVTier(ABC):
         """How many leading blocks of `hashes` this tier holds."""
 
     @abstractmethod
-    def load(self, hashes: Sequence[BlockHash]) -> list[bytes]:
+    def load(self, hashes: Sequence[BlockHash]) -> Sequence[bytes | bytearray]:
         """The encoded blocks of the leading run of `hashes` still held (possibly shorter)."""
 
     @abstractmethod

@@ -111,7 +111,7 @@ class _Writer:
         data = job.data
         if data is None:
             assert job.block is not None
-            data = self.format.encode(job.block_hash, job.block.numpy())
+            data = self.format.encode(job.block_hash, job.block.numpy().data)
         for tier in job.tiers:
             if tier.store(job.block_hash, data):
                 self.on_stored(job.block_hash, tier)
@@ -203,7 +203,9 @@ class TierChain:
             self._remember(block_hash)
             self._presence.add(block_hash, index)
             if index > 0:
-                self._writer.submit(_Job(block_hash, None, data, self.tiers[:index], len(data)))
+                # A later tier's blocks are bytes already (bytes() of bytes is no copy).
+                self._writer.submit(_Job(block_hash, None, bytes(data), self.tiers[:index],
+                                         len(data)))
         tier.stats.add(hits=len(payloads), bytes_loaded=len(payloads) * self.format.payload_bytes,
                        load_seconds=time.perf_counter() - start)
         return payloads

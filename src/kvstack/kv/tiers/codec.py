@@ -12,7 +12,7 @@
         92     4  crc32 of the payload
         96     -  payload: the block's slice of every storage tensor (`KVCacheStorage.
                   read_block`); float dtypes: [num_layers, 2 (k, v), block_size, H_kv, D] in
-                  C order; quantized ones add their scales (`kv/kv_dtype.py` has the sizes)
+                  C order; quantized ones add their scales (`kv/dtypes.py` has the sizes)
 
 A reader checks every field against what it expects before it trusts a byte of payload, so a
 truncated, corrupted, foreign (other model, dtype or layout) or misfiled block is a `BlockFault`
@@ -58,21 +58,20 @@ class BlockHeader:
     crc32: int
 
 
-def parse_header(data: bytes | memoryview) -> BlockHeader:
+def parse_header(data: bytes | bytearray | memoryview) -> BlockHeader:
     """The header of an encoded block; raises BlockFault if it is not one of ours."""
     if len(data) < HEADER.size:
         raise BlockFault("truncated", f"{len(data)} bytes is shorter than a block header")
-    magic, version, dtype, *layout, fingerprint, block_hash, payload_len, crc = (
-        HEADER.unpack_from(data)
-    )
+    (magic, version, dtype, num_layers, num_kv_heads, head_dim, block_size, fingerprint,
+     block_hash, payload_len, crc) = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise BlockFault("bad_magic", "not a kvstack KV block")
     if version != FORMAT_VERSION:
         raise BlockFault("version", f"block format version {version}, expected {FORMAT_VERSION}")
     if dtype not in _DTYPE_NAMES:
         raise BlockFault("layout", f"unknown dtype code {dtype}")
-    return BlockHeader(version, _DTYPE_NAMES[dtype], *layout, fingerprint.hex(), block_hash,
-                       payload_len, crc)
+    return BlockHeader(version, _DTYPE_NAMES[dtype], num_layers, num_kv_heads, head_dim,
+                       block_size, fingerprint.hex(), block_hash, payload_len, crc)
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ class BlockFormat:
                              zlib.crc32(payload))
         return header + payload
 
-    def decode(self, block_hash: BlockHash, data: bytes | memoryview) -> memoryview:
+    def decode(self, block_hash: BlockHash, data: bytes | bytearray | memoryview) -> memoryview:
         """The payload of an encoded block, after every check; raises BlockFault."""
         header = parse_header(data)
         if header.fingerprint != self.fingerprint:

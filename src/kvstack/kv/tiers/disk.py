@@ -134,7 +134,7 @@ class DiskTier(KVTier):
             return self.count_run((k in self._index or self._adopt(k) for k in keys),
                                   len(hashes))
 
-    def load(self, hashes: Sequence[BlockHash]) -> list[bytes]:
+    def load(self, hashes: Sequence[BlockHash]) -> list[bytearray]:
         out = []
         for block_hash in hashes:
             key = block_hash.hex()

@@ -13,7 +13,7 @@ per request). Every failure is a miss plus a fault counter.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kvstack.clock import MONOTONIC, Clock
 from kvstack.errors import InvalidRequestError
@@ -93,7 +93,7 @@ class RedisTier(KVTier):
             pipe = self.client.pipeline(transaction=False)
             for block_hash in hashes:
                 pipe.exists(self.key(block_hash))
-            return pipe.execute()
+            return cast(list[int], pipe.execute())
 
         found = self._call(exists) if hashes else []
         return self.count_run((bool(held) for held in found or []), len(hashes))
@@ -108,7 +108,7 @@ class RedisTier(KVTier):
                 for block_hash in chunk:
                     pipe.get(self.key(block_hash))
                     pipe.expire(self.key(block_hash), self.ttl_s)
-                return pipe.execute()[::2]
+                return cast(list[Any], pipe.execute()[::2])
 
             values = self._call(get) or []
             for value in values:
