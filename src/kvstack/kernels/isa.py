@@ -13,8 +13,9 @@
 
 Each build names its flags explicitly (never `-march=native`), so the implementation compiled
 in depends only on the choice, not on the machine: the sources pick code by the macros these
-flags define (`gemv.c`: `__AVX512F__` and `__AVX512BW__`, else `__AVX2__`, `__FMA__`; `ops.c`,
-`gguf.c`, `gguf_x8.c`, `half.h`: `__AVX2__`, `__FMA__`, `__F16C__`), and an AVX2 build on an
+flags define (`gemv.c`: `__AVX512F__` and `__AVX512BW__`, else `__AVX2__`, `__FMA__`; `ops.c`'s
+decode attention: `__AVX512F__`, else `__AVX2__` and `__FMA__`; the rest of `ops.c`, `gguf.c`,
+`gguf_x8.c`, `half.h`: `__AVX2__`, `__FMA__`, `__F16C__`), and an AVX2 build on an
 AVX-512 CPU holds no AVX-512 instruction. `-mtune=native` only schedules for this CPU.
 """
 
