@@ -153,10 +153,12 @@ def _replica_actor(name: str) -> Any:
     raise AssertionError(f"no actor for replica {name}")
 
 
-def _queued_prefills(rc: RayCluster, name: str) -> int:
-    """Requests whose prefill `name` has still to compute, as its last load report says."""
+def _queued_prefills(rc: RayCluster, name: str) -> tuple[int, int]:
+    """(requests whose prefill `name` has still to compute, load reports received from it).
+    The router's figure also counts requests it routed there since the last report, which may
+    not have reached the replica yet."""
     replica = next(r for r in rc.cluster()["replicas"] if r["name"] == name)
-    return int(replica.get("load", {}).get("queued_requests", 0))
+    return int(replica.get("load", {}).get("queued_requests", 0)), int(replica["reports"])
 
 
 def _stream(rc: RayCluster, path: str, body: dict[str, Any], out: list[str],
@@ -195,9 +197,19 @@ def test_a_killed_replica_ends_its_streams_retries_and_restores_from_redis(
     late = threading.Thread(target=lambda: result.update(rc.chat(doc, tail, max_tokens=8)))
     retries = rc.cluster()["ingress"]["retries"]
     late.start()
-    # Kill `home` once its load report shows the late request's prefill queued there.
+    # Kill `home` once the late request's prefill is queued there: routed there (the router
+    # counts it at once), then still queued after three of home's own load reports, so it has
+    # reached the replica (a request killed in flight is re-sent by Ray, not our ingress).
     deadline = time.monotonic() + 120
-    while _queued_prefills(rc, home) < 1:
+    seen_at = None
+    while True:
+        queued, reports = _queued_prefills(rc, home)
+        if queued < 1:
+            seen_at = None
+        elif seen_at is None:
+            seen_at = reports
+        elif reports >= seen_at + 3:
+            break
         assert time.monotonic() < deadline and late.is_alive(), "the late request never queued"
         time.sleep(0.05)
     ray.kill(_replica_actor(home), no_restart=True)
