@@ -50,7 +50,8 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
         (["estimate", "--model", "x", "--kv-cache-memory", "lots"], "--kv-cache-memory"),
         (["serve", "--router", "pow2"], "--replicas"),
         (["serve", "--replica-threads", "2"], "--replicas"),
-        (["serve", "--replicas", "2"], "--kv-redis-url"),
+        (["serve", "--prefill-replicas", "1"], "--replicas"),
+        (["serve", "--replicas", "2", "--prefill-replicas", "2"], "--prefill-replicas"),
         (["serve", "--replicas", "2", "--kv-redis-url", "redis://h:1/0", "--kv-window", "64"],
          "prefix cache"),
         (["serve", "--replicas", "0"], "--replicas"),
@@ -69,6 +70,20 @@ def test_user_errors_are_one_line_and_exit_2(
     assert len(err.splitlines()) == 1
     assert err.startswith("error: ")
     assert mentions in err
+
+
+def test_replicas_without_redis_route_alone_with_a_one_line_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvstack.cli.main import build_parser
+    from kvstack.cli.serve import check_cluster_flags
+
+    check_cluster_flags(build_parser().parse_args(["serve", "--replicas", "2"]))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: ") and "--kv-redis-url" in lines[0]
+    check_cluster_flags(build_parser().parse_args(
+        ["serve", "--replicas", "2", "--kv-redis-url", "redis://h:1/0"]))
+    assert capsys.readouterr().err == ""
 
 
 def test_keyboard_interrupt_exits_130_quietly(

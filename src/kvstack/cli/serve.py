@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -108,11 +109,15 @@ ROUTERS = ("cache-aware", "round-robin", "pow2")
 def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group(
         "replicas (Ray Serve; needs the 'cluster' extra)",
-        "run N engine replicas behind one endpoint, routed by the KV blocks each holds, "
-        "sharing KV through Redis")
+        "run N engine replicas behind one endpoint, routed by the KV blocks each holds "
+        "(and, with --kv-redis-url, sharing them through Redis)")
     cluster.add_argument("--replicas", type=positive_int, default=None, metavar="N",
-                         help="engine replicas (needs --kv-redis-url); without it: one engine "
-                         "in this process")
+                         help="engine replicas (with --kv-redis-url they share KV through "
+                         "Redis); without it: one engine in this process")
+    cluster.add_argument("--prefill-replicas", type=non_negative_int, default=None,
+                         metavar="P", help="of the N replicas, P only prefill (prompt and "
+                         "first token) and hand the KV to the N - P that decode (default 0: "
+                         "every replica does both)")
     cluster.add_argument("--router", choices=ROUTERS, default=None,
                          help="cache-aware (default): the replica holding the longest cached "
                          "prefix, weighed against load; round-robin; pow2 (Ray Serve's default)")
@@ -169,14 +174,19 @@ def semantic_config(args: argparse.Namespace) -> SemanticCacheConfig | None:
 def check_cluster_flags(args: argparse.Namespace) -> None:
     if args.replicas is None:
         given = {"--router": args.router, "--ray-address": args.ray_address,
-                 "--replica-threads": args.replica_threads}
+                 "--replica-threads": args.replica_threads,
+                 "--prefill-replicas": args.prefill_replicas}
         stray = [flag for flag, value in given.items() if value is not None]
         if stray:
             raise InvalidRequestError(f"{stray[0]} needs --replicas N")
         return
+    if args.prefill_replicas is not None and args.prefill_replicas >= args.replicas:
+        raise InvalidRequestError(f"--prefill-replicas {args.prefill_replicas} leaves no "
+                                  f"decode replica of --replicas {args.replicas}; give fewer")
     if not args.kv_redis_url:
-        raise InvalidRequestError("--replicas needs --kv-redis-url: replicas share KV blocks "
-                                  "through Redis (e.g. redis://127.0.0.1:6379/0)")
+        # As vLLM's and SGLang's routers do: routing alone, each replica's KV its own.
+        print("warning: --replicas without --kv-redis-url: replicas share no KV tier (routing "
+              "alone; a prefix held by a busy or dead replica is recomputed)", file=sys.stderr)
     if args.drain_timeout is not None:
         raise InvalidRequestError("--drain-timeout applies to one engine; with --replicas, "
                                   "Ray Serve drains each replica on shutdown")
