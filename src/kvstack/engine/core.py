@@ -29,7 +29,7 @@ from kvstack.engine.tokenizer import check_token_ids
 from kvstack.errors import InvalidRequestError, PromptTooLongError
 from kvstack.kv.block_pool import BlockListener
 from kvstack.kv.snapshot import KVSnapshot
-from kvstack.kv.tiers.base import TierStats
+from kvstack.kv.tiers.base import BlockTiers, TierStats
 from kvstack.layers.sampler import Sampler
 from kvstack.outputs import DRAFT, MODEL, RequestOutput
 from kvstack.sampling_params import SamplingParams
@@ -324,6 +324,12 @@ class LLMEngine:
         if self.kv_manager is None or not self.kv_manager.enable_prefix_caching:
             raise InvalidRequestError("block listeners need the prefix cache; turn it on")
         self.kv_manager.pool.add_listener(listener)
+
+    def set_block_tiers(self, tiers: BlockTiers) -> None:
+        """Prefix hits restore from, new blocks write through to, `tiers` (wrapping kv_tiers)."""
+        if self.kv_manager is None or not self.kv_manager.enable_prefix_caching:
+            raise InvalidRequestError("block tiers need the prefix cache; turn it on")
+        self.kv_manager.tiers = tiers
 
     def pin_prefix(
         self, token_ids: Sequence[int], cache_salt: str | None, ttl_s: float
