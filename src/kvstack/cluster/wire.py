@@ -38,6 +38,8 @@ class ReplicaRequest:
     # for a `prompt` attribute); None when the policy in use needs no text.
     prompt: str | None = None
     exclude: tuple[str, ...] = ()  # replicas never to pick (the one a retry lost)
+    # A prefill replica's `pd.handoff.Handoff` (prompt blocks to fetch), for a decode replica.
+    handoff: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,157 @@
+"""`HandoffTiers`: the block tiers a prefill or decode replica's engine runs on.
+
+It wraps the engine's own chain (disk, Redis; or none) and adds one store in front:
+- capture (prefill role): every block the pool publishes is copied out on the step thread
+  (its slots may be reused right after), kept by hash, oldest out first past `capture_bytes`.
+  `export` encodes a prompt's leading run of them without the engine lock: a captured copy
+  never changes. The same copy is what the chain would take; the chain still writes its own.
+- inbox (decode role): encoded blocks received for a request, by the hash in their header.
+  A prefix match asks the inbox first, then the chain; every block is decoded by the codec
+  against the hash the *decode* engine computed (its fingerprint, dtype, layout, block size,
+  the tenant's salt) and its crc before its bytes reach the storage. The first faulty one is
+  dropped, counted, and ends the run: the rest is recomputed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from kvstack.kv.block_hash import BlockHash
+from kvstack.kv.storage.base import KVCacheStorage
+from kvstack.kv.tiers.base import BlockTiers, TierStats
+from kvstack.kv.tiers.codec import BlockFault, BlockFormat, parse_header
+
+
+class HandoffTiers:
+    name = "handoff"
+
+    def __init__(self, fmt: BlockFormat, storage: KVCacheStorage, inner: BlockTiers | None,
+                 capture_bytes: int = 0) -> None:
+        self.format = fmt
+        self.storage = storage
+        self.inner = inner
+        self.capture_bytes = capture_bytes
+        self.stats = TierStats(self.name)
+        self._lock = threading.Lock()
+        self._captured: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
+        self._captured_nbytes = 0
+        self._inbox: dict[BlockHash, bytes] = {}
+        self._owners: dict[BlockHash, set[str]] = {}  # request ids a received block serves
+
+    # -- decode role: the inbox -------------------------------------------------------------
+
+    def receive(self, request_id: str, blocks: Sequence[bytes]) -> int:
+        """Keep a request's received blocks (until `release`); returns how many have a
+        well-formed header (the rest are dropped and counted; the full check is at restore)."""
+        accepted = 0
+        with self._lock:
+            for data in blocks:
+                try:
+                    block_hash = parse_header(data).block_hash
+                except BlockFault as fault:
+                    self.stats.fault(fault.kind)
+                    continue
+                self._inbox[block_hash] = data
+                self._owners.setdefault(block_hash, set()).add(request_id)
+                accepted += 1
+        return accepted
+
+    def release(self, request_id: str) -> None:
+        """Drop what `request_id` received and no other request still needs."""
+        with self._lock:
+            for block_hash in [h for h, ids in self._owners.items() if request_id in ids]:
+                ids = self._owners[block_hash]
+                ids.discard(request_id)
+                if not ids:
+                    del self._owners[block_hash]
+                    self._inbox.pop(block_hash, None)
+
+    @property
+    def num_inbox_blocks(self) -> int:
+        with self._lock:
+            return len(self._inbox)
+
+    # -- prefill role: the capture ----------------------------------------------------------
+
+    def export(self, hashes: Sequence[BlockHash], leading: bool = True) -> list[bytes]:
+        """The leading run of `hashes` captured (`leading=False`: every one captured),
+        encoded (header + payload)."""
+        with self._lock:
+            run = []
+            for block_hash in hashes:
+                block = self._captured.get(block_hash)
+                if block is None:
+                    if leading:
+                        break
+                    continue
+                run.append((block_hash, block))
+        return [self.format.encode(h, block.numpy().data) for h, block in run]
+
+    # -- BlockTiers -------------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        with self._lock:
+            num = 0
+            for block_hash in hashes:
+                if block_hash not in self._inbox:
+                    break
+                num += 1
+        if num < len(hashes) and self.inner is not None:
+            num += self.inner.lookup(hashes[num:])
+        return num
+
+    def restore(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+        start = time.perf_counter()
+        num = 0
+        faulty = False
+        for block_hash, block_id in zip(hashes, block_ids, strict=False):
+            with self._lock:
+                data = self._inbox.get(block_hash)
+            if data is None:
+                break
+            try:
+                payload = self.format.decode(block_hash, data)
+            except BlockFault as fault:
+                self.stats.fault(fault.kind)
+                with self._lock:
+                    self._inbox.pop(block_hash, None)
+                faulty = True
+                break
+            # uint8 [1, block bytes]; torch wants a writable buffer
+            self.storage.write_blocks([block_id], torch.frombuffer(bytearray(payload),
+                                                                   dtype=torch.uint8).view(1, -1))
+            num += 1
+        if num:
+            self.stats.add(hits=num, bytes_loaded=num * self.format.payload_bytes,
+                           load_seconds=time.perf_counter() - start)
+        if not faulty and num < len(block_ids) and self.inner is not None:
+            num += self.inner.restore(hashes[num:len(block_ids)], block_ids[num:])
+        return num
+
+    def offload(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
+        if self.capture_bytes:
+            for block_id, block_hash in blocks:
+                self._capture(block_hash, self.storage.read_block(block_id))
+        if self.inner is not None:
+            self.inner.offload(blocks)
+
+    def presence(self, hashes: Sequence[BlockHash]) -> list[tuple[str, ...]]:
+        if self.inner is not None:
+            return self.inner.presence(hashes)
+        return [() for _ in hashes]
+
+    def _capture(self, block_hash: BlockHash, block: torch.Tensor) -> None:
+        with self._lock:
+            old = self._captured.pop(block_hash, None)
+            if old is not None:
+                self._captured_nbytes -= old.numel()
+            self._captured[block_hash] = block
+            self._captured_nbytes += block.numel()
+            while self._captured_nbytes > self.capture_bytes and len(self._captured) > 1:
+                _, dropped = self._captured.popitem(last=False)
+                self._captured_nbytes -= dropped.numel()
