@@ -32,6 +32,7 @@ def run_cluster(args: argparse.Namespace, keys: list[str], config: ServerConfig)
         llm_kwargs=llm_kwargs(args, max_pinned_fraction=args.max_pinned_fraction),
         replica_threads=threads, max_num_seqs=args.max_num_seqs,
         router=args.router or "cache-aware", api_keys=tuple(keys), server_config=config,
+        num_prefill_replicas=args.prefill_replicas or 0,
     )
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     stop = threading.Event()
@@ -42,8 +43,10 @@ def run_cluster(args: argparse.Namespace, keys: list[str], config: ServerConfig)
         start_http(args.host, args.port)
         try:
             deploy(build_app(spec), spec.app_name, url)
-            print(f"kvstack: {args.replicas} replicas ({spec.router} router) serving at {url}",
-                  file=sys.stderr, flush=True)
+            roles = (f", {spec.num_prefill_replicas} of them prefill only"
+                     if spec.num_prefill_replicas else "")
+            print(f"kvstack: {args.replicas} replicas{roles} ({spec.router} router) serving "
+                  f"at {url}", file=sys.stderr, flush=True)
             while not stop.wait(1.0):
                 pass
         finally:
