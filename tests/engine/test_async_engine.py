@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -93,3 +94,25 @@ def test_full_queue_answers_queue_full(llm: LLM) -> None:
     finally:
         engine.shutdown()
     assert llm.stats().num_blocks_used == 0
+
+
+def test_a_reader_that_falls_behind_gets_the_newest_output(llm: LLM) -> None:
+    """Outputs are cumulative: the ones a busy reader missed are folded into the next it reads,
+    which carries every token (the stream does not replay a backlog, one output per step)."""
+    expected = llm.generate(PROMPTS[1], GREEDY)[0].outputs[0].token_ids
+    engine = AsyncLLM(llm.engine)
+
+    async def main() -> list[list[int]]:
+        seen = []
+        async for out in engine.generate(PROMPTS[1], GREEDY, "slow"):
+            seen.append(list(out.outputs[0].token_ids))
+            while len(seen) == 1 and engine.num_unfinished():  # holds the loop: a busy reader
+                time.sleep(0.01)
+        return seen
+
+    try:
+        seen = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(seen) == 2  # the first output, then the finished one with all the rest
+    assert seen[1] == expected and seen[0] == expected[: len(seen[0])]

@@ -21,6 +21,8 @@ CASES = {
     "pressure": "throughput in a third of the KV memory needed: preemptions, correctness",
     "tiers": "TTFT of a ~2,000-token document cold vs from disk / Redis in fresh processes",
     "serve": "HTTP load on `kvstack serve`: req/s, TTFT and TPOT at 1-32 streaming clients",
+    "serve_loop": "what serving adds per token: the engine's own step time vs ITL through "
+                  "`kvstack serve` (streamed completions), ~800-token context, batch 1 and 4",
     "ttft": "TTFT vs prompt length (128-4096 tokens), cold and with a prefix hit",
     "peers": "decode, prefill and batch-32 tok/s vs transformers and llama.cpp; decode "
              "memory bandwidth",

@@ -2,13 +2,20 @@
 
 `generate(...)` yields a request's cumulative outputs as tokens arrive; leaving the
 iterator early (client gone, `break`, cancellation) aborts the request and frees its blocks.
+
+The engine thread runs steps back to back and hands each step's outputs to an event loop in
+one call (one wake-up per step, however many requests gained tokens). Each request has a
+mailbox, not a queue: outputs are cumulative, so a reader that falls a step behind reads only
+the newest one (its text and tokens include the unread ones) and sends one event for both,
+instead of the loop's backlog growing while it competes with the engine for the CPU.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from kvstack.blend.params import BlendSpec
@@ -76,6 +83,35 @@ class FairLock:
         self._cond.notify_all()
 
 
+class _Mailbox:
+    """One request's outputs on their way from the engine thread to its event loop.
+
+    The engine thread appends (a deque's append and popleft are atomic) and then wakes the
+    loop; the reader takes the newest item and drops the older ones, which it supersedes. A
+    finished output or an error is always the last item, so it is never dropped.
+    """
+
+    __slots__ = ("loop", "items", "ready")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: deque[RequestOutput | BaseException] = deque()
+        self.ready = asyncio.Event()  # set in the loop's thread only
+
+    def newest(self) -> RequestOutput | BaseException | None:
+        """The newest item, or None if the reader already took it."""
+        item = None
+        while self.items:
+            item = self.items.popleft()
+        return item
+
+
+def _wake(boxes: list[_Mailbox]) -> None:
+    """In the loop's thread: tell the readers of `boxes` that output arrived."""
+    for box in boxes:
+        box.ready.set()
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
         self.engine = engine
@@ -83,7 +119,7 @@ class AsyncLLM:
         self._lock = FairLock()  # guards every touch of `engine`
         self._wake = threading.Event()
         self._stop = False
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._streams: dict[str, _Mailbox] = {}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="kvstack-engine", daemon=True)
         self._thread.start()
@@ -99,23 +135,31 @@ class AsyncLLM:
                 except BaseException as err:  # every stream must hear of it
                     self._fail(err)
                     return
-                for out in outputs:
-                    self._deliver(out.request_id, out, out.finished)
+                self._deliver((out.request_id, out, out.finished) for out in outputs)
             if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
 
-    def _deliver(self, request_id: str, item: Any, last: bool) -> None:
-        stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
-        if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+    def _deliver(self, items: Iterable[tuple[str, RequestOutput | BaseException, bool]]
+                 ) -> None:
+        """Post each (request id, item, last) to its mailbox, then wake each loop once."""
+        woken: dict[asyncio.AbstractEventLoop, list[_Mailbox]] = {}
+        for request_id, item, last in items:
+            box = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+            if box is not None:
+                box.items.append(item)
+                woken.setdefault(box.loop, []).append(box)
+        for loop, boxes in woken.items():
+            try:
+                loop.call_soon_threadsafe(_wake, boxes)
+            except RuntimeError:  # the loop is closed: nobody is left to read its streams
+                for request_id in [r for r, box in self._streams.items() if box.loop is loop]:
+                    del self._streams[request_id]
 
     def _fail(self, err: BaseException) -> None:
         self._error = err
         dead = EngineDeadError(f"engine failed: {err!r}; restart the server")
-        for request_id in list(self._streams):
-            self._deliver(request_id, dead, last=True)
+        self._deliver((request_id, dead, True) for request_id in list(self._streams))
 
     # -- public API --------------------------------------------------------------------------
 
@@ -128,15 +172,19 @@ class AsyncLLM:
         draft_token_ids: Sequence[int] | None = None,
         blend: BlendSpec | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request (validation errors raise here) and stream its outputs."""
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        """Queue a request (validation errors raise here) and stream its outputs: each is
+        cumulative, and one the reader was too slow to take is folded into the next."""
+        box = _Mailbox(asyncio.get_running_loop())
         await asyncio.to_thread(self._add, prompt, sampling_params, request_id, cache_salt,
-                                draft_token_ids, loop, queue, blend)
+                                draft_token_ids, box, blend)
         finished = False
         try:
             while not finished:
-                item = await queue.get()
+                await box.ready.wait()
+                box.ready.clear()
+                item = box.newest()
+                if item is None:  # taken already, with an earlier wake-up
+                    continue
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -152,8 +200,7 @@ class AsyncLLM:
         request_id: str,
         cache_salt: str | None,
         draft_token_ids: Sequence[int] | None,
-        loop: asyncio.AbstractEventLoop,
-        queue: asyncio.Queue[Any],
+        box: _Mailbox,
         blend: BlendSpec | None = None,
     ) -> None:
         if self._error is not None:
@@ -166,7 +213,7 @@ class AsyncLLM:
             self.engine.add_request(prompt, sampling_params, request_id=request_id,
                                     cache_salt=cache_salt, draft_token_ids=draft_token_ids,
                                     blend=blend)
-            self._streams[request_id] = (loop, queue)
+            self._streams[request_id] = box
         self._wake.set()
 
     async def abort(self, request_id: str) -> None:

@@ -91,8 +91,14 @@ class Generation:
             self._queue.put_nowait(err)
 
     async def next(self) -> RequestOutput:
-        """The next cumulative output; raises the request's error (a KvstackError)."""
+        """The newest cumulative output; raises the request's error (a KvstackError).
+
+        Outputs that queued up while the response was writing are folded into the newest
+        (each includes the ones before it): one event for them, not one each behind the
+        engine."""
         item = await self._queue.get()
+        while not self._queue.empty() and not _is_last(item):
+            item = self._queue.get_nowait()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -108,6 +114,10 @@ class Generation:
             self._metrics.observe_abort()
         if not self._task.done():
             self._task.cancel()
+
+
+def _is_last(item: RequestOutput | BaseException) -> bool:
+    return isinstance(item, BaseException) or item.finished
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
