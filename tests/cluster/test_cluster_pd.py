@@ -23,6 +23,7 @@ import pytest
 import uvicorn
 from helpers.cluster_local import LocalTransport
 from helpers.live_server import free_port
+from helpers.tiny_gemma3 import make_tiny_gemma3_folder
 from helpers.tiny_models import make_tiny_chat_folder
 
 from kvstack import LLM, SamplingParams
@@ -34,6 +35,8 @@ from kvstack.cluster.pd.replicas import DecodeReplica, PrefillReplica
 from kvstack.cluster.view import ClusterView
 from kvstack.engine.chat import chat_token_ids
 from kvstack.engine.tokenizer import load_tokenizer
+from kvstack.kv.groups import KVLayout
+from kvstack.outputs import RequestOutput
 from kvstack.server.app import create_app
 from kvstack.server.state import ServerConfig
 from kvstack.weights import Checkpoint
@@ -329,3 +332,78 @@ def test_int8_kv_handoff_equals_one_engine(folder: Path) -> None:
         made.settle_and_check()
     finally:
         made.close()
+
+
+def test_a_prefill_replica_dying_after_the_first_token_is_recomputed_on_decode(
+    cluster: PDCluster, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    replica = cluster.prefill["p0"]
+    real = replica.generate
+
+    async def dies_after_first_token(request: Any) -> Any:
+        async for item in real(request):
+            yield item
+            if isinstance(item, RequestOutput):
+                cluster.prefill_transport.kill("p0")
+                await asyncio.sleep(60)  # gone: the transport raises into the stream
+
+    monkeypatch.setattr(replica, "generate", dies_after_first_token)
+    prompt = document("plost") + " prefill lost"
+    before = cluster.handoffs()
+    try:
+        body = cluster.post("/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                "temperature": 0, "max_tokens": 8}).json()
+    finally:
+        cluster.prefill_transport.live.add("p0")
+        cluster.prefill_transport._dead.pop("p0", None)
+    assert body["choices"][0]["text"] == cluster.want(prompt, 8)
+    after = cluster.handoffs()
+    assert after["fallbacks"].get("prefill_lost", 0) == before["fallbacks"].get(
+        "prefill_lost", 0) + 1
+    assert after["count"] == before["count"]  # nothing was handed over
+    cluster.settle_and_check()
+
+
+def test_gemma3_hands_over_each_window_groups_last_window_only(tmp_path: Path) -> None:
+    folder = make_tiny_gemma3_folder(tmp_path)  # window 8: 2 blocks of 16 reach it
+    llm = {"model": str(folder), "kv_cache_memory": "4MiB", "block_size": 16, "num_threads": 1}
+    courier = LocalCourier()
+    leases = Leases(on_end=courier.drop)
+    prefill = PrefillReplica("p0", llm, courier, leases)
+    decode = DecodeReplica("d0", llm, courier)
+    view, prefill_view = ClusterView("pow2"), ClusterView("cache-aware")
+    loop = asyncio.new_event_loop()
+    reference = LLM(**llm)
+    try:
+        engine = loop.run_until_complete(PDClusterEngine.connect(
+            LocalTransport({"d0": decode}, view), view,
+            prefill=LocalTransport({"p0": prefill}, prefill_view), prefill_view=prefill_view))
+
+        async def generate(ids: list[int]) -> list[int]:
+            outs = [out async for out in engine.generate(ids, SamplingParams(
+                temperature=0, max_tokens=10, ignore_eos=True), "g1")]
+            return outs[-1].outputs[0].token_ids
+
+        ids = [(7 * i + 3) % 250 for i in range(100)]  # 6 full blocks
+        got = loop.run_until_complete(generate(ids))
+        want = reference.generate({"prompt_token_ids": ids}, SamplingParams(
+            temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0].token_ids
+        assert got == want
+        handoffs = engine.handoffs.as_dict()
+        groups = KVLayout.of(prefill.engine.info.config.layer_windows(), "float32").groups
+        num_window = sum(g.window is not None for g in groups[1:])
+        num_full = len(groups) - num_window
+        assert handoffs["blocks"] == 6 * num_full + 2 * num_window, (handoffs, groups)
+        assert handoffs["num_fallbacks"] == 0
+        stats = decode.engine.engine.stats()
+        assert stats.num_prompt_tokens - stats.prefix_cache_hit_tokens <= 16 + 1
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert len(leases) == 0 and len(courier) == 0 and decode.tiers.num_inbox_blocks == 0
+        prefill.engine.engine.check_integrity()
+        decode.engine.engine.check_integrity()
+        engine.shutdown()
+    finally:
+        loop.close()
+        prefill.shutdown()
+        decode.shutdown()
+        reference.close()

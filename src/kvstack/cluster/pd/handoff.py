@@ -30,13 +30,9 @@ class Handoff:
     lease: str
     replica: str  # the prefill replica holding the lease
     ref: Any  # the courier's reference to the encoded blocks
-    num_blocks: int  # leading full blocks of the prompt, in order
+    num_blocks: int  # blocks handed over (a hybrid model's window groups' included)
     num_bytes: int
-    block_size: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+    num_tokens: int  # the prompt's leading tokens they cover: the hit the decode side gets
 
 
 @dataclass(frozen=True)

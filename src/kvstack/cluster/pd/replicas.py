@@ -76,11 +76,12 @@ class PrefillReplica(EngineReplica):
             return
         yield replace(last, finished=False, outputs=[replace(out, finish_reason=None)])
         blocks = self.tiers.export(self._run_hashes(request))
+        num_tokens = len(blocks) * self.layout.block_size
         blocks += self.tiers.export(self._window_hashes(request, len(blocks)), leading=False)
         ref = self.courier.put(blocks)
         lease = self.leases.hold(self.name, ref)
         yield Handoff(lease, self.name, ref, len(blocks), sum(len(b) for b in blocks),
-                      self.layout.block_size)
+                      num_tokens)
 
     def _run_hashes(self, request: ReplicaRequest) -> list[BlockHash]:
         """The prompt's full blocks as group 0 (every engine) names them."""
