@@ -49,14 +49,15 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 
 
 class PDCluster:
-    def __init__(self, folder: Path, **llm: Any) -> None:
+    def __init__(self, folder: Path, decode_llm: dict[str, Any] | None = None,
+                 **llm: Any) -> None:
         self.llm_kwargs = {"model": str(folder), "kv_cache_memory": "8MiB", "block_size": 16,
                            "num_threads": 1, "max_num_seqs": 8, **llm}
         self.courier = LocalCourier()
         self.leases = Leases(on_end=self.courier.drop)
         self.prefill = {"p0": PrefillReplica("p0", self.llm_kwargs, self.courier, self.leases)}
-        self.decode = {"d0": DecodeReplica("d0", self.llm_kwargs, self.courier,
-                                           fetch_timeout_s=1.0)}
+        self.decode = {"d0": DecodeReplica("d0", {**self.llm_kwargs, **(decode_llm or {})},
+                                           self.courier, fetch_timeout_s=1.0)}
         self.view = ClusterView("pow2")
         self.prefill_view = ClusterView("cache-aware")
         self.transport = LocalTransport(dict(self.decode), self.view)
@@ -407,3 +408,29 @@ def test_gemma3_hands_over_each_window_groups_last_window_only(tmp_path: Path) -
         prefill.shutdown()
         decode.shutdown()
         reference.close()
+
+
+def test_handoffs_hold_under_preemption_on_the_decode_side(folder: Path) -> None:
+    # A decode pool of ~32 blocks: three requests of ~14 blocks each cannot run together.
+    made = PDCluster(folder, decode_llm={"kv_cache_memory": "256KiB"})
+    try:
+        tokenizer = made.reference.get_tokenizer()
+        prompts = [tokenizer.encode(document(f"pre{i}", 20) + f" preempt {i}") for i in range(3)]
+        params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+
+        async def one(i: int) -> list[int]:
+            outs = [o async for o in made.engine.generate(prompts[i], params, f"pre{i}")]
+            return outs[-1].outputs[0].token_ids
+
+        async def together() -> list[list[int]]:
+            return list(await asyncio.gather(*(one(i) for i in range(3))))
+
+        got = made.run(together())
+        want = [made.reference.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+                .token_ids for ids in prompts]
+        assert got == want
+        assert made.decode["d0"].engine.engine.stats().num_preemptions > 0
+        assert made.engine.handoffs.count == 3
+        made.settle_and_check()
+    finally:
+        made.close()
