@@ -434,3 +434,21 @@ def test_handoffs_hold_under_preemption_on_the_decode_side(folder: Path) -> None
         made.settle_and_check()
     finally:
         made.close()
+
+
+def test_cache_control_pins_reach_the_prefill_replica_holding_the_prefix(
+    cluster: PDCluster,
+) -> None:
+    ids = cluster.reference.get_tokenizer().encode(document("pin") + " pinned")
+
+    async def serve_then_pin() -> tuple[int, int]:
+        async for _ in cluster.engine.generate(ids, SamplingParams(temperature=0, max_tokens=4),
+                                               "pin1"):
+            pass
+        cluster.prefill_transport.poll()  # the prefill replica's report of the new blocks
+        return await cluster.engine.pin_prefix(ids, None, 30.0)
+
+    new, _ = cluster.run(serve_then_pin())
+    assert new == len(ids) // 16 * 16
+    assert cluster.prefill["p0"].engine.engine.stats().num_blocks_pinned == len(ids) // 16
+    cluster.settle_and_check()

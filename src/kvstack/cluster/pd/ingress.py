@@ -123,18 +123,21 @@ class PDClusterEngine(ClusterEngine):
                                 tuple(request_keys(ids, self.layout, request.cache_salt)),
                                 handoff=leg.handoff)
         acked = False
-        checked = False
+        replica: str | None = None
         try:
             async for item in self.transport.stream(decode):
-                if isinstance(item, Receipt) and leg.handoff is not None:
+                if isinstance(item, str):
+                    replica = item
+                elif isinstance(item, Receipt) and leg.handoff is not None:
                     self.handoffs.add(leg.handoff, item)
                     leg.receipt = item
                     acked = True
                     self._release(leg.handoff)
                 elif isinstance(item, RequestOutput):
-                    if not checked:
-                        checked = True
+                    if replica is not None:  # the first output: the decode side's hit
+                        self.view.outcome(request.request_id, replica, item.num_cached_tokens)
                         self._check_hit(leg, item)
+                        replica = None
                     yield self._output(leg, self._merged(leg.first, item),
                                        request.prompt_token_ids)
         except ReplicaGoneError as err:
@@ -192,6 +195,17 @@ class PDClusterEngine(ClusterEngine):
             return await asyncio.wait_for(self.prefill.call(method, control),
                                           self.call_timeout_s)
         return None
+
+    async def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None,
+                         ttl_s: float) -> tuple[int, int]:
+        """Pins go to the prefill replica holding the prefix: where a later hit saves work."""
+        keys = request_keys(list(token_ids), self.layout, cache_salt)
+        target = self.prefill_view.holder(keys)
+        if target is None:
+            return 0, 0
+        pinned = await self._call_prefill("pin_prefix", Control(target, (list(token_ids),
+                                                                         cache_salt, ttl_s)))
+        return pinned if pinned is not None else (0, 0)
 
     # --- upkeep over both pools ------------------------------------------------------------
 
