@@ -69,6 +69,10 @@ QUICK_RUNS = (RUNS[0], RUNS[3], RUNS[5])
 def run(subject: Subject, options: BenchOptions) -> CaseResult:
     if options.simulate:
         return run_simulation(subject, options)
+    if options.pd:
+        from kvstack.bench.cluster_pd import run_pd
+
+        return run_pd(subject, options)
     from kvstack.cluster.launch import LocalRedis, RayInstance, free_port, start_http
 
     if subject.tokenizer is None:

@@ -63,6 +63,7 @@ class BenchOptions:
     quantization: str | None = None
     # cluster: the routing simulator instead of a real cluster, and its sizes
     simulate: bool = False
+    pd: bool = False  # cluster: prefill/decode disaggregation against colocated replicas
     requests: int | None = None  # None: the case's default
     policies: tuple[str, ...] = ()  # cluster: which runs (empty: the case's default)
     load: float | None = None  # cluster: arrival rate / probed capacity (None: the default)

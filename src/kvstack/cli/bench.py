@@ -156,6 +156,9 @@ def _cluster_flags() -> argparse.ArgumentParser:
     cluster.add_argument("--simulate", action="store_true",
                          help="drive the pure scorer on simulated clusters (16-256 replicas, "
                          "costs calibrated on this machine) instead of a real 2-replica one")
+    cluster.add_argument("--pd", action="store_true",
+                         help="1 prefill + 1 decode replica against 2 colocated ones, on one "
+                         "seeded trace of chat turns and long documents (TTFT, TPOT per class)")
     cluster.add_argument("--policies", type=name_list(CLUSTER_RUNS, "policy"), default=None,
                          metavar="LIST", help="comma-separated runs, from "
                          f"{', '.join(CLUSTER_RUNS)} (default: all; --quick: round-robin, "
@@ -195,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         simulate=getattr(args, "simulate", False),
+        pd=getattr(args, "pd", False),
         requests=getattr(args, "requests", None),
         policies=tuple(getattr(args, "policies", None) or ()),
         load=getattr(args, "load", None),
