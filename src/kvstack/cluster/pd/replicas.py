@@ -7,12 +7,13 @@ lease until `release` (the ingress relays the decode side's receipt) or its time
 
 `DecodeReplica.generate` takes a request for prompt + first token carrying that `Handoff`:
 it fetches the bytes (a late or lost handoff is a `Receipt` with a fault, and the prompt is
-recomputed), puts them in its inbox, yields the `Receipt`, then serves the request as any
-replica does: the prefix match restores the received blocks after every check.
+recomputed), checks them into its inbox (a corrupt block is dropped: a fault too), yields the
+`Receipt`, then serves the request as any replica does: the prefix match restores them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -138,7 +139,8 @@ class DecodeReplica(EngineReplica):
             blocks = await self.courier.get(handoff.ref, self.fetch_timeout_s)
         except HandoffMiss as miss:
             return Receipt(handoff.lease, 0, 0, time.perf_counter() - start, miss.kind)
-        accepted = self.tiers.receive(request_id, blocks)
+        # The codec's checks (crc over every byte) and the copy, off the event loop.
+        accepted = await asyncio.to_thread(self.tiers.receive, request_id, blocks)
         fault = "corrupt" if accepted < len(blocks) else None
         return Receipt(handoff.lease, accepted, sum(len(b) for b in blocks),
                        time.perf_counter() - start, fault)

@@ -5,11 +5,13 @@ It wraps the engine's own chain (disk, Redis; or none) and adds one store in fro
   (its slots may be reused right after), kept by hash, oldest out first past `capture_bytes`.
   `export` encodes a prompt's leading run of them without the engine lock: a captured copy
   never changes. The same copy is what the chain would take; the chain still writes its own.
-- inbox (decode role): encoded blocks received for a request, by the hash in their header.
-  A prefix match asks the inbox first, then the chain; every block is decoded by the codec
-  against the hash the *decode* engine computed (its fingerprint, dtype, layout, block size,
-  the tenant's salt) and its crc before its bytes reach the storage. The first faulty one is
-  dropped, counted, and ends the run: the rest is recomputed.
+- inbox (decode role): blocks received for a request. Each is checked by the codec as it
+  arrives, off the step thread (this engine's fingerprint, dtype, layout, block size; the
+  hash in its header; length; crc): a faulty one is dropped and counted. It is kept by that
+  hash, so a prefix match, which asks the inbox first and then the chain by the hashes the
+  *decode* engine computed (the tenant's salt included), finds only blocks of exactly its
+  tokens; restoring is then a copy into the storage. A block missing ends the run: the rest
+  is recomputed.
 """
 
 from __future__ import annotations
@@ -40,26 +42,31 @@ class HandoffTiers:
         self._lock = threading.Lock()
         self._captured: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
         self._captured_nbytes = 0
-        self._inbox: dict[BlockHash, bytes] = {}
+        self._inbox: dict[BlockHash, torch.Tensor] = {}  # checked payloads, uint8 [1, bytes]
         self._owners: dict[BlockHash, set[str]] = {}  # request ids a received block serves
 
     # -- decode role: the inbox -------------------------------------------------------------
 
     def receive(self, request_id: str, blocks: Sequence[bytes]) -> int:
-        """Keep a request's received blocks (until `release`); returns how many have a
-        well-formed header (the rest are dropped and counted; the full check is at restore)."""
-        accepted = 0
+        """Check and keep a request's received blocks (until `release`); returns how many
+        passed (the rest are dropped and counted by fault kind). Blocking: call it off the
+        event loop and the step thread."""
+        checked = []
+        for data in blocks:
+            try:
+                block_hash = parse_header(data).block_hash
+                payload = self.format.decode(block_hash, data)
+            except BlockFault as fault:
+                self.stats.fault(fault.kind)
+                continue
+            # torch wants a writable buffer: the copy is made here, not on the step thread
+            checked.append((block_hash, torch.frombuffer(bytearray(payload),
+                                                         dtype=torch.uint8).view(1, -1)))
         with self._lock:
-            for data in blocks:
-                try:
-                    block_hash = parse_header(data).block_hash
-                except BlockFault as fault:
-                    self.stats.fault(fault.kind)
-                    continue
-                self._inbox[block_hash] = data
+            for block_hash, tensor in checked:
+                self._inbox[block_hash] = tensor
                 self._owners.setdefault(block_hash, set()).add(request_id)
-                accepted += 1
-        return accepted
+        return len(checked)
 
     def release(self, request_id: str) -> None:
         """Drop what `request_id` received and no other request still needs."""
@@ -108,28 +115,17 @@ class HandoffTiers:
     def restore(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
         start = time.perf_counter()
         num = 0
-        faulty = False
         for block_hash, block_id in zip(hashes, block_ids, strict=False):
             with self._lock:
-                data = self._inbox.get(block_hash)
-            if data is None:
+                payload = self._inbox.get(block_hash)
+            if payload is None:
                 break
-            try:
-                payload = self.format.decode(block_hash, data)
-            except BlockFault as fault:
-                self.stats.fault(fault.kind)
-                with self._lock:
-                    self._inbox.pop(block_hash, None)
-                faulty = True
-                break
-            # uint8 [1, block bytes]; torch wants a writable buffer
-            self.storage.write_blocks([block_id], torch.frombuffer(bytearray(payload),
-                                                                   dtype=torch.uint8).view(1, -1))
+            self.storage.write_blocks([block_id], payload)  # checked when it arrived
             num += 1
         if num:
             self.stats.add(hits=num, bytes_loaded=num * self.format.payload_bytes,
                            load_seconds=time.perf_counter() - start)
-        if not faulty and num < len(block_ids) and self.inner is not None:
+        if num < len(block_ids) and self.inner is not None:
             num += self.inner.restore(hashes[num:len(block_ids)], block_ids[num:])
         return num
 
