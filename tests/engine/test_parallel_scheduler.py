@@ -20,6 +20,7 @@ from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder
 from kvstack.engine.parallel import sample_ids
 from kvstack.engine.request import Request
 from kvstack.engine.scheduler import Scheduler
+from kvstack.kv.coordinator import KVCacheCoordinator
 from kvstack.kv.manager import KVCacheManager
 from kvstack.sampling_params import SamplingParams
 
@@ -48,7 +49,8 @@ class ForkEngine:
         self.kv = KVCacheManager(num_blocks, block_size, prefix_caching, "fake",
                                  on_copy=self._copy)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=16,
-                                                   max_num_batched_tokens=budget), self.kv)
+                                                   max_num_batched_tokens=budget),
+                                   KVCacheCoordinator(self.kv))
         self.bs = block_size
         self.slots: dict[int, int] = {}
         self.requests: list[Request] = []

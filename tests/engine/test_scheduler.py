@@ -22,7 +22,9 @@ from kvstack.engine.request import Request, RequestStatus
 from kvstack.engine.scheduler import Scheduler, SchedulerOutput
 from kvstack.kv.block_hash import BlockHash
 from kvstack.kv.block_pool import BlockPool
+from kvstack.kv.coordinator import KVCacheCoordinator
 from kvstack.kv.manager import KVCacheManager, PrefixHit
+from kvstack.kv.no_cache import NoKVCache
 from kvstack.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -75,7 +77,7 @@ class FakeEngine:
             num_blocks, block_size, enable_prefix_caching, "fake-model", max_pinned_blocks
         )
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-        self.scheduler = Scheduler(config, self.kv)
+        self.scheduler = Scheduler(config, KVCacheCoordinator(self.kv))
         self.block_size = block_size
         self.slots: dict[int, int] = {}
         self.requests: list[Request] = []
@@ -470,7 +472,7 @@ def test_finish_frees_blocks_of_running_waiting_and_preempted_requests() -> None
 
 def test_no_kv_cache_baseline_recomputes_every_token() -> None:
     config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8)
-    sched = Scheduler(config, kv_manager=None)
+    sched = Scheduler(config, kv_manager=NoKVCache())
     a, b, c = (make_request(n, range(5), 4) for n in "abc")
     for r in (a, b, c):
         sched.add(r)

@@ -1,4 +1,5 @@
-"""Requests driven through a `KVCacheManager` by hand, as the scheduler would: no model."""
+"""Requests driven through a `KVCacheManager` (or its coordinator) by hand, as the
+scheduler would: no model."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Sequence
 
 from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder
 from kvstack.engine.request import Request
+from kvstack.kv.coordinator import KVCacheCoordinator
 from kvstack.kv.manager import KVCacheManager
 from kvstack.sampling_params import SamplingParams
 
@@ -17,7 +19,7 @@ def make_request(request_id: str, prompt: Sequence[int], salt: str | None = None
                    detokenizer=IncrementalDetokenizer(NullDecoder(), ids), cache_salt=salt)
 
 
-def prefill(kv: KVCacheManager, request_id: str, prompt: Sequence[int],
+def prefill(kv: KVCacheManager | KVCacheCoordinator, request_id: str, prompt: Sequence[int],
             salt: str | None = None) -> Request:
     """Admit a request, compute its prompt and publish its full blocks; it keeps its blocks
     until `kv.free(request_id)`."""

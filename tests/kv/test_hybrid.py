@@ -1,4 +1,4 @@
-"""The hybrid KV layout (`kv/groups.py`, `kv/hybrid.py`) without a model: how layers share
+"""The hybrid KV layout (`kv/groups.py`, `kv/coordinator.py`) without a model: how layers share
 pages, window groups freeing what slid out, prefix hits that need each group's last window
 before the hit point, forks, drafts trimmed, preemption, and the pool's integrity after each."""
 
@@ -8,9 +8,9 @@ import pytest
 from helpers.kv_requests import make_request, prefill
 
 from kvstack.kv.block_pool import KVBlock
+from kvstack.kv.coordinator import KVCacheCoordinator
 from kvstack.kv.group_tables import group_hash
 from kvstack.kv.groups import KVLayout
-from kvstack.kv.hybrid import HybridKVCacheManager
 from kvstack.kv.manager import KVCacheManager
 
 GEMMA3_270M = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
@@ -43,11 +43,12 @@ def test_a_type_that_does_not_divide_leaves_its_last_group_short() -> None:
                                                               (8, (4,))]
 
 
-def hybrid(num_blocks: int = 64) -> HybridKVCacheManager:
-    return HybridKVCacheManager(KVLayout.hybrid(TINY), num_blocks, BS, True, "fake-model")
+def hybrid(num_blocks: int = 64, max_chunk_tokens: int = 0) -> KVCacheCoordinator:
+    return KVCacheCoordinator(KVCacheManager(num_blocks, BS, True, "fake-model"),
+                              KVLayout.hybrid(TINY), max_chunk_tokens)
 
 
-def held(kv: HybridKVCacheManager, request_id: str) -> list[int]:
+def held(kv: KVCacheCoordinator, request_id: str) -> list[int]:
     """Blocks the request holds per group, group 0 first."""
     return [len(kv.block_ids(request_id))] + [len(r) for r in kv.groups.held(request_id)]
 
@@ -157,12 +158,11 @@ def test_growth_that_does_not_fit_changes_nothing(num_blocks: int) -> None:
 
 
 def test_a_single_type_model_keeps_the_classic_manager() -> None:
-    kv = KVCacheManager(16, BS, True, "fake-model")
+    kv = KVCacheCoordinator(KVCacheManager(16, BS, True, "fake-model"))
     assert kv.group_block_ids("x") == []
     assert kv.max_blocks_held(40) == 10
     assert hybrid().max_blocks_held(40) == 10 + 2 * 3  # one token a step: the window's
-    chunked = HybridKVCacheManager(KVLayout.hybrid(TINY), 64, BS, True, "fake-model",
-                                   max_chunk_tokens=16)
+    chunked = hybrid(64, max_chunk_tokens=16)
     assert chunked.max_blocks_held(40) == 10 + 2 * 7  # ceil((8 - 1 + 16) / 4) + 1
 
 

@@ -1,5 +1,7 @@
 """The package layout holds: no import circles, no import from a lower layer into a higher
-one, no module over MAX_MODULE_LINES lines and no function over MAX_FUNCTION_LINES.
+one, no module over MAX_MODULE_LINES lines and no function over MAX_FUNCTION_LINES, and no
+module of the engine's room (ENGINE_ROOM) imports an optional feature's package (FEATURES)
+unless FEATURE_IMPORTS allows it.
 
 Every import statement counts, including the lazy ones inside functions and the ones under
 `TYPE_CHECKING`: a circle hidden behind a late import is still a circle in the design.
@@ -36,6 +38,26 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in
     "cli",
     "__init__ __main__",
 ))
+
+
+# Optional features, each in its own package: the engine reaches them through its hook points
+# (`engine/hooks.py`), registered in `engine/builder.py`.
+FEATURES = ("blend", "drafts", "structured", "scoring")
+# The packages that run a step: a feature's name has no business here but where listed below.
+ENGINE_ROOM = frozenset({"kv", "layers", "models", "engine"})
+# Module -> the features it may import. `engine.builder` is the registration point; `llm` and
+# `async_llm` are front doors that take a feature's request parameters (`BlendParams`,
+# `Chunk`). The rest is what issue 32 has not moved behind hooks yet: blended planning and
+# the request's per-feature state, drafts, structured outputs and prompt scores in the core.
+# Shrink it, never grow it.
+FEATURE_IMPORTS: dict[str, frozenset[str]] = {
+    "kvstack.engine.builder": frozenset(FEATURES),
+    "kvstack.engine.llm": frozenset({"blend"}),
+    "kvstack.engine.async_llm": frozenset({"blend"}),
+    "kvstack.engine.core": frozenset({"blend", "scoring"}),
+    "kvstack.engine.request": frozenset({"blend", "drafts", "scoring"}),
+    "kvstack.engine.runner": frozenset({"drafts"}),
+}
 
 
 def module_files(src: Path = SRC) -> dict[str, Path]:
@@ -141,6 +163,21 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return bad
 
 
+def feature_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a feature's package by an engine-room module the allow-list does not name."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        parts = module.split(".")
+        if len(parts) < 2 or parts[1] not in ENGINE_ROOM:
+            continue
+        allowed = FEATURE_IMPORTS.get(module, frozenset())
+        for target in sorted(targets):
+            feature = target.split(".")[1] if "." in target else ""
+            if feature in FEATURES and feature != parts[1] and feature not in allowed:
+                bad.append(f"{module} -> {target}")
+    return bad
+
+
 def long_functions(src: Path = SRC) -> Iterator[str]:
     for name, path in module_files(src).items():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -158,6 +195,20 @@ def test_no_import_circles() -> None:
 def test_no_upward_imports() -> None:
     bad = upward_imports(import_graph())
     assert not bad, "imports from a lower layer into a higher one:\n" + "\n".join(bad)
+
+
+def test_features_are_named_only_where_registered() -> None:
+    bad = feature_imports(import_graph())
+    assert not bad, "a feature imported outside its package and the allow-list:\n" + \
+        "\n".join(bad)
+
+
+def test_the_feature_check_catches_a_stray_import() -> None:
+    graph = {"kvstack.engine.scheduler": {"kvstack.blend.state"},
+             "kvstack.engine.builder": {"kvstack.blend.blender"},
+             "kvstack.server.blend_api": {"kvstack.blend.params"},
+             "kvstack.blend.plan": {"kvstack.blend.state"}}
+    assert feature_imports(graph) == ["kvstack.engine.scheduler -> kvstack.blend.state"]
 
 
 def test_modules_and_functions_stay_small() -> None:

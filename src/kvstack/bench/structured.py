@@ -24,6 +24,7 @@ from kvstack.bench.format import fmt, median
 from kvstack.bench.plots import new_figure, save_figure
 from kvstack.engine.llm import LLM
 from kvstack.sampling_params import SamplingParams, StructuredOutputsParams
+from kvstack.structured.feature import StructuredOutputs
 
 QUESTION = "Describe the city of Paris as a JSON object with a long description."
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "description"],
@@ -71,7 +72,8 @@ def _generate(llm: LLM, prompt: list[int], batch: int, new_tokens: int,
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=new_tokens,
                              ignore_eos=mode == "free", structured_outputs=constraint)
               for i in range(batch)]
-    backend = llm.engine.structured
+    feature = llm.engine.hooks.features.get("structured")
+    backend = feature.backend if isinstance(feature, StructuredOutputs) else None
     if backend is not None:
         backend.overlap = mode != "inline"
     try:

@@ -26,7 +26,7 @@ from kvstack.blend.rotary import Rotary
 from kvstack.blend.state import BlendState
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.kv.tiers.chain import TierChain
-from kvstack.layers.attention import AttentionMetadata
+from kvstack.layers.attention import AttentionMetadata, StepMetadata
 from kvstack.models.base import CausalLM
 from kvstack.outputs import BlendUsage
 from kvstack.sampling_params import SamplingParams
@@ -139,8 +139,11 @@ class Blender:
     # -- the blended step -------------------------------------------------------------------
 
     def plan_step(self, scheduled: Sequence[Scheduled], positions: torch.Tensor,
-                  meta: AttentionMetadata) -> BlendPlan | None:
-        """The plan of this step's blended region (None: none runs), its K/V placed."""
+                  meta: StepMetadata) -> BlendPlan | None:
+        """The plan of this step's blended region (None: none runs), its K/V placed. Only
+        a step over block tables blends (the engine builds a blender for no other mode)."""
+        if not isinstance(meta, AttentionMetadata):
+            return None
         row = 0
         for s in scheduled:
             r = s.request

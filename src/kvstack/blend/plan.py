@@ -51,7 +51,7 @@ class Region:
 
 
 class BlendPlan:
-    """The `RowFilter` of a blended step (see the module docstring)."""
+    """The `LayerHook` of a blended step (see the module docstring)."""
 
     def __init__(self, state: BlendState, region: Region, meta: AttentionMetadata,
                  positions: torch.Tensor, rotary: Rotary, num_layers: int,
@@ -109,7 +109,7 @@ class BlendPlan:
 
     # -- the layer loop's hook --------------------------------------------------------------
 
-    def select(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def after_qkv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_storage: KVCacheStorage | None) -> torch.Tensor | None:
         kept = None
         if layer in self.stages and kv_storage is not None:
@@ -183,7 +183,7 @@ class BlendPlan:
         mass = probs[:, :, region.placed[candidates]].sum(1)  # [H, n]
         return mass.view(keys.shape[1], rep, -1).sum(1)
 
-    def expand(self, hidden: torch.Tensor) -> torch.Tensor:
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.alive.shape[0] == self.positions.shape[0]:
             return hidden
         out = hidden.new_zeros(self.positions.shape[0], hidden.shape[1])

@@ -12,12 +12,17 @@ import torch
 from kvstack.blend.blender import Blender
 from kvstack.clock import MONOTONIC, Clock
 from kvstack.config import EngineConfig, ModelConfig
+from kvstack.drafts.tracker import DraftTracker
+from kvstack.engine.hooks import StepHooks
+from kvstack.engine.steps import GroupedSteps, PagedSteps, StepBuilder, WindowSteps
 from kvstack.engine.tokenizer import load_tokenizer
 from kvstack.errors import InvalidRequestError
+from kvstack.kv.coordinator import KVCacheCoordinator
 from kvstack.kv.dtypes import resolve
 from kvstack.kv.groups import KVLayout
-from kvstack.kv.hybrid import HybridKVCacheManager
 from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.mode import KVCacheMode
+from kvstack.kv.no_cache import NoKVCache
 from kvstack.kv.sizing import KVShape
 from kvstack.kv.storage import KVCacheStorage, make_kv_storage, torch_dtype
 from kvstack.kv.tiers.chain import TierChain, build_tiers
@@ -25,6 +30,7 @@ from kvstack.kv.tiers.codec import BlockFormat
 from kvstack.kv.window import SlidingWindow
 from kvstack.models import CausalLM, family_of
 from kvstack.scoring.store import ScoreStore
+from kvstack.structured.feature import StructuredOutputs
 from kvstack.weights import Checkpoint, load_checkpoint
 
 
@@ -39,9 +45,11 @@ class EngineParts:
     kv_layout: KVLayout  # which layers share a block table (a hybrid model: several groups)
     kv_shape: KVShape | None = None
     kv_storage: KVCacheStorage | None = None
-    kv_manager: KVCacheManager | None = None
+    kv_manager: KVCacheMode = field(default_factory=NoKVCache)  # no cache: a mode too
     kv_tiers: TierChain | None = None
     blender: Blender | None = None  # chunk cache, blending; None: no KV cache, window, int4
+    steps: StepBuilder | None = None  # the KV mode's step builder (`engine/steps.py`)
+    hooks: StepHooks = field(default_factory=StepHooks)  # optional features' hook points
     # Prompt scores beside the prefix cache's blocks; without one it keeps nothing.
     score_store: ScoreStore = field(default_factory=ScoreStore.inert)
 
@@ -79,7 +87,45 @@ def build_engine(config: EngineConfig, clock: Clock = MONOTONIC) -> EngineParts:
                         window, layout)
     if cache.use_kv_cache:
         _build_kv(parts, config, clock)
+    parts.steps = step_builder(parts)
+    register_features(parts)
     return parts
+
+
+def register_features(parts: EngineParts) -> None:
+    """The registration point of optional features: each joins the step's hook points."""
+    hooks = parts.hooks
+    structured = StructuredOutputs(parts.tokenizer, parts.model_config.vocab_size,
+                                   eos_token_ids(parts.model_config, parts.tokenizer))
+    hooks.on_add.append(structured.on_add)
+    hooks.before_run.append(structured.before_run)
+    hooks.features["structured"] = structured
+    drafts = DraftTracker(parts.kv_storage is not None and parts.kv_storage.lossy)
+    hooks.after_sampling.append(drafts.after_sampling)
+    hooks.after_output.append(drafts.after_output)
+    hooks.stats.append(drafts.stats_fields)
+    if parts.blender is not None:
+        hooks.before_schedule.append(parts.blender.before_step)
+        hooks.layer.append(parts.blender.plan_step)
+        hooks.stats.append(parts.blender.stats_fields)
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: Any | None) -> frozenset[int]:
+    """The model's end-of-sequence ids and the tokenizer's own."""
+    ids = set(model_config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def step_builder(parts: EngineParts) -> StepBuilder:
+    """The step builder of the engine's KV mode: the one place that tells the modes apart."""
+    storage = parts.kv_storage
+    if storage is not None and parts.window is not None:
+        return WindowSteps(parts.model, storage, parts.window)
+    if storage is not None and parts.kv_layout.is_hybrid:
+        return GroupedSteps(parts.model, storage, parts.kv_layout)
+    return PagedSteps(parts.model, storage)
 
 
 def fingerprint(ckpt: Checkpoint, config: EngineConfig, kv_cache_dtype: str,
@@ -123,19 +169,20 @@ def _build_kv(parts: EngineParts, config: EngineConfig, clock: Clock) -> None:
     parts.kv_shape = shape
     parts.kv_storage = storage
     parts.kv_tiers = build_tiers(cache, block_format, storage, clock)
-    args = (num_blocks, cache.block_size, cache.enable_prefix_caching and parts.window is None,
-            parts.fingerprint, int(num_blocks * cache.max_pinned_fraction), parts.kv_tiers,
-            parts.window, storage.release, storage.copy_block)
-    parts.kv_manager = (
-        HybridKVCacheManager(parts.kv_layout, *args,
-                             max_chunk_tokens=config.scheduler.max_num_batched_tokens)
-        if parts.kv_layout.is_hybrid else KVCacheManager(*args))
-    if parts.kv_manager.enable_prefix_caching:
-        pool = parts.kv_manager.pool
-        parts.score_store = ScoreStore(parts.kv_manager.block_hashes,
+    manager = KVCacheManager(
+        num_blocks, cache.block_size,
+        enable_prefix_caching=cache.enable_prefix_caching and parts.window is None,
+        fingerprint=parts.fingerprint,
+        max_pinned_blocks=int(num_blocks * cache.max_pinned_fraction), tiers=parts.kv_tiers,
+        window=parts.window, on_free=storage.release, on_copy=storage.copy_block)
+    parts.kv_manager = KVCacheCoordinator(
+        manager, parts.kv_layout, max_chunk_tokens=config.scheduler.max_num_batched_tokens)
+    if manager.enable_prefix_caching:
+        pool = manager.pool
+        parts.score_store = ScoreStore(manager.block_hashes,
                                        lambda block_hash: pool.lookup(block_hash) is not None)
         pool.add_listener(parts.score_store)
-        parts.kv_manager.score_run = parts.score_store.scored_run
+        manager.score_run = parts.score_store.scored_run
     # int4 storage quantizes a block when its last slot is written in order; placing chunks
     # writes slots out of order. The blended step's row filter lives in the Llama layer loop:
     # models with sliding-window layers (Gemma 3) do not blend.

@@ -8,15 +8,12 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import cast
 
 from kvstack.blend.blender import blend_state
 from kvstack.blend.params import BlendSpec
 from kvstack.clock import MONOTONIC, Clock
 from kvstack.config import EngineConfig
-from kvstack.drafts.prompt_lookup import propose_drafts
-from kvstack.drafts.verify import next_window, remaining_draft
-from kvstack.engine.builder import build_engine
+from kvstack.engine.builder import build_engine, eos_token_ids
 from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder
 from kvstack.engine.info import ModelInfo
 from kvstack.engine.parallel import SampleGroup, SampleGroups, check_fits, sample_ids, sample_params
@@ -34,7 +31,6 @@ from kvstack.layers.sampler import Sampler
 from kvstack.outputs import DRAFT, MODEL, RequestOutput
 from kvstack.sampling_params import SamplingParams
 from kvstack.scoring.prompt import PromptScores
-from kvstack.structured import Grammar, Guide, StructuredBackend
 
 
 class LLMEngine:
@@ -51,41 +47,32 @@ class LLMEngine:
             if tokenizer is not None else (lambda token_id: None))
         self.fingerprint = parts.fingerprint
         self.kv_cache_dtype = parts.kv_cache_dtype
-        self.window = parts.window
         self.kv_storage = parts.kv_storage
         self.kv_manager = parts.kv_manager
         self.kv_tiers = parts.kv_tiers
         self.scores = parts.score_store  # prompt scores beside the cached blocks (`scoring/`)
-        self.lossy_kv_cache = parts.kv_storage is not None and parts.kv_storage.lossy
         self.info = ModelInfo(
             name=config.model, config=parts.model_config, fingerprint=parts.fingerprint,
             dtype=config.dtype, quantization=config.quantization,
             kv_cache_dtype=parts.kv_cache_dtype, num_weight_bytes=parts.model.num_weight_bytes,
             kv_shape=parts.kv_shape,
-            num_kv_blocks=parts.kv_manager.num_blocks if parts.kv_manager else 0,
+            num_kv_blocks=parts.kv_manager.num_blocks,
             kv_cache_bytes=parts.kv_storage.num_bytes if parts.kv_storage else 0,
             kv_window=config.cache.kv_window,
             kv_sink_tokens=config.cache.kv_sink_tokens if config.cache.kv_window else 0,
         )
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.blender = parts.blender  # chunk cache and blended steps (`blend/`)
-        self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), self.window, self.blender,
-                                  parts.kv_layout)
+        assert parts.steps is not None  # build_engine sets it
+        self.hooks = parts.hooks  # optional features' hook points (`engine/hooks.py`)
+        self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), parts.steps,
+                                  self.hooks)
         self.requests: dict[str, Request] = {}
         self.groups = SampleGroups(completion_output)  # parallel samples, by the caller's id
-        self.structured: StructuredBackend | None = None  # built on the first constraint
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.num_draft_tokens = 0  # draft tokens verified, and of those accepted
-        self.num_accepted_tokens = 0
-
-    def _eos_ids(self) -> frozenset[int]:
-        ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
 
     @property
     def max_model_len(self) -> int:
@@ -117,13 +104,12 @@ class LLMEngine:
         token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(sampling_params, len(token_ids))
         sp = sampling_params
-        check_fits(sp, self.config.scheduler, self.kv_manager, self.window is not None,
-                   len(token_ids), max_tokens)
+        check_fits(sp, self.config.scheduler, self.kv_manager, len(token_ids), max_tokens)
         request_id = request_id if request_id is not None else str(next(self._ids))
         ids = sample_ids(request_id, sp.num_sequences)
         if any(i in self.requests or i in self.groups for i in {request_id, *ids}):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        grammar = self._grammar(sp)
+        setups = self.hooks.run_on_add(sp)  # features check sp first (structured outputs)
         blended = blend_state(self.blender, blend, token_ids, cache_salt, sp, len(ids), num_scored)
         requests = []
         for i, rid in enumerate(ids):
@@ -143,13 +129,13 @@ class LLMEngine:
                 num_scored=min(max(num_scored, 0), len(token_ids)),
                 prompt_scores=self._prompt_scores(sp, token_ids),
             )
-            if grammar is not None and self.structured is not None:
-                request.sampling_state.guide = self.structured.guide(grammar, request)
+            for setup in setups:
+                setup(request)
             requests.append(request)
         if len(ids) == 1:
             self.scheduler.add(requests[0])
             return requests[0]
-        group = self.groups.add(request_id, sp, requests, self.kv_manager is not None)
+        group = self.groups.add(request_id, sp, requests, self.kv_manager.can_fork)
         for request in [requests[0]] if requests[0].pending_forks else requests:
             self.scheduler.add(request)
         return group
@@ -162,21 +148,11 @@ class LLMEngine:
 
     def _max_tokens(self, sampling_params: SamplingParams, num_prompt_tokens: int) -> int:
         max_len = self.max_model_len
-        if self.window is not None:
-            # Window mode never runs out of context: positions are indices in the window.
+        if self.kv_manager.unbounded_context:  # window mode: positions index the window
             return sampling_params.max_tokens or max_len
         if num_prompt_tokens >= max_len:
             raise PromptTooLongError(num_prompt_tokens, max_len)
         return min(sampling_params.max_tokens or max_len, max_len - num_prompt_tokens)
-
-    def _grammar(self, sampling_params: SamplingParams) -> Grammar | None:
-        """The request's compiled constraint (llguidance, loaded on first use), if any."""
-        if sampling_params.structured_outputs is None:
-            return None
-        if self.structured is None:
-            self.structured = StructuredBackend.for_tokenizer(
-                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        return self.structured.compile(sampling_params.structured_outputs)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -219,10 +195,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return outputs of requests that gained tokens or finished."""
-        if self.kv_manager is not None:
-            self.kv_manager.expire_pins(self.clock())
-        if self.blender is not None:
-            self.blender.before_step(self.scheduler.waiting)
+        self.kv_manager.expire_pins(self.clock())
+        self.hooks.run_before_schedule(self.scheduler.waiting)
         ready, self.groups.ready = self.groups.ready, []
         batch = self.scheduler.schedule()
         if not batch.scheduled:
@@ -231,11 +205,7 @@ class LLMEngine:
         for s in batch.scheduled:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
-        if self.structured is not None:  # masks computed while the model runs
-            # The guides an engine hands out are the backend's own (`structured.guide`).
-            self.structured.prepare(cast(list[Guide], [
-                s.request.sampling_state.guide for s in batch.scheduled
-                if s.samples and s.request.sampling_state.guide]))
+        self.hooks.run_before_run(batch.scheduled)
         self.scores.before_run(s.request for s in batch.scheduled)
         result = self.runner.run(batch)
         # Tokens first (a block's hash needs its tokens), then the computed counts and the
@@ -254,7 +224,7 @@ class LLMEngine:
             elif sampled is not None:
                 outputs.append(self.make_output(s.request))
                 if not s.request.finished:
-                    propose_drafts(s.request)
+                    self.hooks.run_after_output(s.request)
         return outputs + self.groups.outputs(parents)
 
     def _append_samples(self, batch: SchedulerOutput,
@@ -269,15 +239,8 @@ class LLMEngine:
                 continue
             if not request.output_token_ids and s.num_new_tokens:  # a fork shares its prompt
                 self.num_prompt_tokens += request.num_prompt_tokens
-            num_accepted = len(sampled.token_ids) - 1
-            request.draft_window = next_window(request.draft_window, s.num_draft_tokens,
-                                               num_accepted, self.lossy_kv_cache)
-            request.num_draft_tokens += s.num_draft_tokens
-            request.num_accepted_tokens += num_accepted
-            self.num_draft_tokens += s.num_draft_tokens
-            self.num_accepted_tokens += num_accepted
-            request.draft_token_ids = remaining_draft(request.draft_token_ids,
-                                                      sampled.token_ids)
+            num_accepted = len(sampled.token_ids) - 1  # verified draft tokens (`drafts/`)
+            self.hooks.run_after_sampling(request, s.num_draft_tokens, sampled.token_ids)
             for k, token in enumerate(sampled.token_ids):
                 self.num_generation_tokens += 1
                 request.add_output_source(DRAFT if k < num_accepted else MODEL)
@@ -316,20 +279,18 @@ class LLMEngine:
     # -- cache control and stats ------------------------------------------------------------
 
     def reset_prefix_cache(self) -> int:
-        return self.kv_manager.reset_prefix_cache() if self.kv_manager else 0
+        return self.kv_manager.reset_prefix_cache()
 
     def add_block_listener(self, listener: BlockListener) -> None:
         """Tell `listener` of every block hash entering or leaving the prefix cache (on the
         step thread; a cluster replica publishes them to its router)."""
-        if self.kv_manager is None or not self.kv_manager.enable_prefix_caching:
+        if not self.kv_manager.add_listener(listener):
             raise InvalidRequestError("block listeners need the prefix cache; turn it on")
-        self.kv_manager.pool.add_listener(listener)
 
     def set_block_tiers(self, tiers: BlockTiers) -> None:
         """Prefix hits restore from, new blocks write through to, `tiers` (wrapping kv_tiers)."""
-        if self.kv_manager is None or not self.kv_manager.enable_prefix_caching:
+        if not self.kv_manager.set_tiers(tiers):
             raise InvalidRequestError("block tiers need the prefix cache; turn it on")
-        self.kv_manager.tiers = tiers
 
     def pin_prefix(
         self, token_ids: Sequence[int], cache_salt: str | None, ttl_s: float
@@ -337,8 +298,6 @@ class LLMEngine:
         """Keep the cached blocks of this prefix from eviction for `ttl_s` seconds (a pin hit
         again is refreshed). Returns (tokens newly pinned, tokens already pinned); only full
         blocks already in the prefix cache are pinned, so call it after the prefill."""
-        if self.kv_manager is None:
-            return 0, 0
         now = self.clock()
         self.kv_manager.expire_pins(now)
         return self.kv_manager.pin_prefix(list(token_ids), cache_salt, now + ttl_s)
@@ -346,7 +305,7 @@ class LLMEngine:
     def warm(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Make sure the tiers hold this prefix's full blocks, which a finished prefill left in
         the memory cache; returns the tokens the tiers now hold (waits for the writes)."""
-        if self.kv_tiers is None or self.kv_manager is None:
+        if self.kv_tiers is None:
             raise InvalidRequestError("warming needs a KV tier; give kv_disk_dir or kv_redis_url")
         hashes = self.kv_manager.prefix_hashes(token_ids, cache_salt)
         self.kv_tiers.flush()
@@ -373,7 +332,7 @@ class LLMEngine:
             self.kv_tiers.close()
 
     def stats(self) -> EngineStats:
-        usage = self.kv_manager.usage() if self.kv_manager else None
+        usage = self.kv_manager.usage()
         return EngineStats(
             num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(self.scheduler.waiting),
@@ -381,20 +340,17 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens,
             tiers=self.kv_tiers.stats() if self.kv_tiers else (),
             **(asdict(usage) if usage else {}),
-            **(self.blender.stats_fields() if self.blender else {}),
+            **self.hooks.stats_fields(),
         )
 
     def cache_snapshot(self) -> KVSnapshot | None:
         """The KV pool right now: each block's state, the published prefix blocks (tokens,
         tenant salt, hits, tiers) and the requests holding blocks; None without a KV cache.
         O(blocks) plain copies; call it between steps (AsyncLLM takes the engine lock)."""
-        return self.kv_manager.snapshot() if self.kv_manager is not None else None
+        return self.kv_manager.snapshot()
 
     def check_integrity(self) -> None:
-        if self.kv_manager is not None:
-            self.kv_manager.check_integrity()
+        self.kv_manager.check_integrity()
         self.scores.check_integrity()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from kvstack.config import SchedulerConfig
 from kvstack.engine.request import Request
 from kvstack.errors import CapacityError, InvalidRequestError
-from kvstack.kv.manager import KVCacheManager
+from kvstack.kv.mode import KVCacheMode
 from kvstack.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvstack.sampling_params import SamplingParams
 
@@ -47,7 +47,7 @@ def sample_params(sampling_params: SamplingParams, index: int) -> SamplingParams
 
 
 def check_fits(sampling_params: SamplingParams, config: SchedulerConfig,
-               kv_manager: KVCacheManager | None, window_mode: bool, num_prompt_tokens: int,
+               kv_manager: KVCacheMode, num_prompt_tokens: int,
                max_tokens: int) -> None:
     """Refuse a request whose sequences exceed the parallel-sample cap, or whose KV blocks
     (all its samples at once) exceed the pool even running alone."""
@@ -58,26 +58,24 @@ def check_fits(sampling_params: SamplingParams, config: SchedulerConfig,
         raise InvalidRequestError(
             f"{name} is {num} but this engine runs at most {cap} parallel samples per request "
             "(max_parallel_samples, max_num_seqs); lower it")
-    if kv_manager is None:
-        return
     need = blocks_needed(kv_manager, num_prompt_tokens, max_tokens, num)
     have = kv_manager.num_blocks
     if need > have:
         what = f"{num_prompt_tokens + max_tokens} tokens" + (f" x {num} samples" if num > 1
                                                               else "")
-        fix = "lower kv_window" if window_mode else "lower max_tokens"
+        fix = kv_manager.capacity_fix
         raise CapacityError(
             f"request needs {need} KV blocks ({what}) but the pool holds {have} "
             f"({have * kv_manager.block_size} tokens); {fix}{' or n' if num > 1 else ''} or "
             "raise kv_cache_memory")
 
 
-def blocks_needed(kv_manager: KVCacheManager, num_prompt_tokens: int, max_tokens: int,
+def blocks_needed(kv_manager: KVCacheMode, num_prompt_tokens: int, max_tokens: int,
                   num_sequences: int) -> int:
     """KV blocks the samples hold at once, at most: the prompt's full blocks once, and each
     sample's own (its copy of a partly filled prompt tail, then its output)."""
     alone = kv_manager.max_blocks_held(num_prompt_tokens + max_tokens)
-    if num_sequences == 1:
+    if num_sequences == 1 or alone == 0:  # alone == 0: a mode without blocks
         return alone
     shared = num_prompt_tokens // kv_manager.block_size
     return shared + num_sequences * max(alone - shared, 1)

@@ -26,19 +26,21 @@ from dataclasses import dataclass, field
 from kvstack.config import SchedulerConfig
 from kvstack.engine.request import Request, RequestStatus
 from kvstack.kv.block_hash import BlockHash
-from kvstack.kv.manager import KVCacheManager, PrefixHit
+from kvstack.kv.mode import KVBlocks, KVCacheMode
+from kvstack.kv.values import PrefixHit
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # positions computed this step, draft tokens included
-    block_ids: list[int] = field(default_factory=list)  # its block table as this step runs
-    num_dropped_blocks: int = 0  # window mode: logical blocks freed between sinks and the rest
+    blocks: KVBlocks = field(default_factory=KVBlocks)  # its tables as this step runs
     # Draft tokens fed after the known tokens (the last num_draft_tokens of num_new_tokens).
     draft_token_ids: list[int] = field(default_factory=list)
-    # A hybrid KV layout: the block tables of groups 1.. (`kv/hybrid.py`) as this step runs.
-    group_block_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.blocks.block_ids
 
     @property
     def num_draft_tokens(self) -> int:
@@ -62,19 +64,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Continuous batching with chunked prefill. `kv_manager=None` is the no-KV-cache
-    baseline. The scheduler alone advances a request's `num_computed_tokens`."""
+    """Continuous batching with chunked prefill over a KV mode (`kv/mode.py`), whichever it
+    is. The scheduler alone advances a request's `num_computed_tokens`."""
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager | None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheMode) -> None:
         self.config = config
         self.kv_manager = kv_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.step_index = 0
         self.num_preemptions = 0
-        # Window mode bounds a request's chunk, and so the blocks it holds at once.
-        window = kv_manager.window if kv_manager is not None else None
-        self.max_chunk = window.max_chunk if window is not None else config.max_num_batched_tokens
+        self.max_chunk = kv_manager.max_chunk(config.max_num_batched_tokens)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -84,10 +84,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.step_index += 1
-        if self.kv_manager is None:
-            return self._schedule_without_cache()
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.kv_manager.step_budget(self.config.max_num_batched_tokens)
+        for request in self.running:  # what the cache kept of each (no cache: nothing)
+            request.num_computed_tokens = self.kv_manager.num_kept_tokens(request)
         # Decodes first so a long prefill never stalls them; then unfinished prefills.
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         for request in order:
@@ -119,7 +119,6 @@ class Scheduler:
     def _fork(self, leader: Request, num_computed: int, out: SchedulerOutput) -> None:
         """This step completes the leader's prompt: its siblings share its blocks, count the
         prompt as computed and sample their first tokens from the leader's last row."""
-        assert self.kv_manager is not None
         for child in leader.pending_forks:
             self.kv_manager.fork(leader.request_id, child.request_id)
             child.num_computed_tokens = num_computed
@@ -134,12 +133,8 @@ class Scheduler:
         return len(self.running) + sum(len(r.pending_forks) for r in self.running)
 
     def _plan(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledRequest:
-        assert self.kv_manager is not None
-        request_id = request.request_id
         return ScheduledRequest(request, num_new + len(drafts),
-                                self.kv_manager.block_ids(request_id),
-                                self.kv_manager.num_dropped_blocks(request_id), drafts,
-                                self.kv_manager.group_block_ids(request_id))
+                                self.kv_manager.blocks_of(request.request_id), drafts)
 
     def _fit(self, request: Request, start: int, budget: int, out: SchedulerOutput) -> int:
         """New tokens from `start` this step: what is left of the prompt (or one decode token)
@@ -158,8 +153,7 @@ class Scheduler:
         """The request's draft tokens that fit this step: only when the step reaches the end
         of its known tokens, within the token budget, the chunk cap and its max_tokens (the
         model's own next token comes on top of the accepted ones)."""
-        kv = self.kv_manager
-        if (not request.draft_token_ids or kv is None or kv.window is not None
+        if (not request.draft_token_ids or not self.kv_manager.accepts_drafts
                 or start + num_new != request.num_tokens
                 or not request.sampling_params.verifies_drafts):
             return []
@@ -168,7 +162,6 @@ class Scheduler:
         return request.draft_token_ids[:max(room, 0)]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        assert self.kv_manager is not None
         while not self.kv_manager.allocate(request, num_new):
             victim = self._pick_victim(exclude=request, out=out)
             if victim is None:
@@ -186,7 +179,6 @@ class Scheduler:
         return pool[-1] if pool else None
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        assert self.kv_manager is not None
         self.kv_manager.free(request.request_id, finished=False)
         request.num_computed_tokens = 0
         self.running.remove(request)
@@ -198,7 +190,6 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_manager
-        assert kv is not None
         in_flight = self._blocks_in_flight(self.running) if self.waiting else set()
         deferred: list[Request] = []
         while self.waiting and budget > 0:
@@ -237,7 +228,6 @@ class Scheduler:
     def _blocks_in_flight(self, requests: list[Request]) -> set[BlockHash]:
         """Hashes of the exact prompt blocks these requests have yet to finish computing."""
         kv = self.kv_manager
-        assert kv is not None
         out: set[BlockHash] = set()
         for r in requests:
             end = r.num_exact_tokens if r.num_exact_tokens is not None else r.num_prompt_tokens
@@ -252,7 +242,6 @@ class Scheduler:
         request (so waiting a step or two turns it into a hit). Only for plain requests: a
         blended one plans its own regions."""
         kv = self.kv_manager
-        assert kv is not None
         if not in_flight or request.blend is not None:
             return False
         # The last token is always computed, so only blocks before it can become a hit.
@@ -261,32 +250,15 @@ class Scheduler:
         return index < min(max_blocks, len(hit.block_hashes)) and \
             hit.block_hashes[index] in in_flight
 
-    def _schedule_without_cache(self) -> SchedulerOutput:
-        # Baseline: every step recomputes each running request's whole sequence from token 0.
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.num_cached_tokens = 0
-            self.running.append(request)
-        out = SchedulerOutput()
-        for request in self.running:
-            request.num_computed_tokens = 0
-            out.scheduled.append(ScheduledRequest(request, request.num_tokens))
-        return out
-
     def after_step(self, output: SchedulerOutput, num_rejected: list[int] | None = None) -> None:
-        """Advance computed-token counts, publish newly full blocks, and (window mode) free
-        the blocks that slid out of the window. `num_rejected[i]`: draft tokens of the i-th
+        """Advance computed-token counts, then let the KV mode publish newly full blocks and
+        free what slid out of a window (`after_step`). `num_rejected[i]`: draft tokens of the i-th
         scheduled request whose K/V this step wrote but the model did not accept; they are not
         counted as computed and the blocks that held only them are freed."""
         for i, s in enumerate(output.scheduled):
             rejected = num_rejected[i] if num_rejected else 0
             s.request.num_computed_tokens += s.num_new_tokens - rejected
-            if self.kv_manager is not None:
-                if rejected:
-                    self.kv_manager.trim(s.request)
-                self.kv_manager.cache_computed_blocks(s.request, s.request.num_exact_tokens)
-                self.kv_manager.slide_window(s.request)
+            self.kv_manager.after_step(s.request, s.request.num_exact_tokens, rejected > 0)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (done or aborted) and release its blocks at once."""
@@ -304,8 +276,7 @@ class Scheduler:
             heir = request.pending_forks[0]
             heir.pending_forks, request.pending_forks = request.pending_forks[1:], []
             self.waiting.appendleft(heir)
-        if self.kv_manager is not None:
-            self.kv_manager.free(request.request_id)
+        self.kv_manager.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -16,6 +16,7 @@ from kvstack.kv.block_hash import BlockHash, request_block_hashes
 from kvstack.kv.block_pool import BlockPool, KVBlock
 from kvstack.kv.integrity import check_holders
 from kvstack.kv.pins import PinRegistry
+from kvstack.kv.restore import Publish, restore_run
 from kvstack.kv.snapshot import (
     COMPUTED,
     RESTORED,
@@ -27,6 +28,9 @@ from kvstack.kv.snapshot import (
 from kvstack.kv.tiers.base import BlockTiers
 from kvstack.kv.values import KVRequest, KVUsage, PrefixHit
 from kvstack.kv.window import SlidingWindow
+
+# The blocks a request holds beyond its table here (a hybrid layout's other KV groups).
+Holdings = Callable[[str], list[KVBlock]]
 
 __all__ = ["KVCacheManager", "KVRequest", "KVUsage", "PrefixHit"]
 
@@ -115,9 +119,6 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         return [b.block_id for b in table.blocks] if table else []
 
-    def group_block_ids(self, request_id: str) -> list[list[int]]:
-        return []  # the tables of a hybrid layout's other KV groups (`kv/hybrid.py`)
-
     def block_hashes(self, request_id: str) -> list[BlockHash]:
         """Hashes of the request's full blocks computed so far (from token 0)."""
         table = self._tables.get(request_id)
@@ -152,40 +153,29 @@ class KVCacheManager:
             hit.append(block)
         restored: list[KVBlock] = []
         if self.tiers is not None and len(hit) < max_blocks:
-            restored = self._restore(hashes[:max_blocks], hit, tokens, request.cache_salt)
+            restored = restore_run(self.pool, self.tiers, hashes[:max_blocks], hit,
+                                   self.publisher(tokens, request.cache_salt, RESTORED))
         return PrefixHit(hit + restored, (len(hit) + len(restored)) * self.block_size,
                          len(restored) * self.block_size, hashes)
-
-    def _restore(self, all_hashes: list[BlockHash], hit: list[KVBlock], tokens: list[int],
-                 cache_salt: str | None) -> list[KVBlock]:
-        """Load the longest run of the hashes past `hit` the tiers hold into free blocks and
-        publish them; they stay free (cached) until `allocate` takes them with the hit."""
-        assert self.tiers is not None
-        first = len(hit)
-        hashes = all_hashes[first:]
-        num = self.tiers.lookup(hashes)
-        if num == 0:
-            return []
-        self.pool.touch(hit)  # so allocating below cannot evict the memory hit
-        try:
-            blocks = self.pool.allocate(min(num, self.pool.num_free))
-            num_loaded = self.tiers.restore(hashes[: len(blocks)], [b.block_id for b in blocks])
-            for i, block in enumerate(blocks[:num_loaded], start=first):
-                self._publish(block, all_hashes[i], all_hashes[i - 1] if i else None,
-                              tokens[i * self.block_size:(i + 1) * self.block_size],
-                              cache_salt, RESTORED)
-            self.pool.free(reversed(blocks))
-        finally:
-            self.pool.free(reversed(hit))
-        return blocks[:num_loaded]
 
     def allocate(self, request: KVRequest, num_new_tokens: int,
                  hit: PrefixHit | None = None) -> bool:
         """Give `request` room for `num_new_tokens` more; False (and no change) if it can't fit.
 
         With a prefix hit (a request being admitted), the hit blocks become its first blocks;
-        the caller then counts `hit.num_tokens` as computed.
-        """
+        the caller then counts `hit.num_tokens` as computed. (`kv/coordinator.py` runs the
+        parts itself, with other KV groups' between `take_hit` and `extend`.)"""
+        need, keep = self.demand(request, num_new_tokens, hit)
+        if not self.reserve(need, keep):
+            return False
+        self.take_hit(request, num_new_tokens, hit)
+        self.extend(request, num_new_tokens, hit)
+        return True
+
+    def demand(self, request: KVRequest, num_new_tokens: int,
+               hit: PrefixHit | None) -> tuple[int, list[KVBlock]]:
+        """Blocks the pool must hand out for this growth (new ones, a copy of a shared tail,
+        revived cached hit blocks), and the hit blocks to keep while pins make room."""
         table = self._table(request.request_id)
         table.cache_salt = request.cache_salt
         hit_blocks = hit.blocks if hit else []
@@ -195,32 +185,35 @@ class KVCacheManager:
         shared = self._shared_write_index(table, num_computed, num_new_tokens)
         # Reviving a free cached block takes it out of the free queue too.
         num_revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        extra, keep = self._group_demand(request.request_id, num_computed, num_new_tokens, hit)
-        shortfall = (num_new_blocks + (shared is not None) + extra
-                     - (self.pool.num_free - num_revived))
-        if shortfall > 0 and not self.pins.release(shortfall, keep=hit_blocks + keep):
-            return False
+        return num_new_blocks + (shared is not None) + num_revived, list(hit_blocks)
+
+    def reserve(self, num_blocks: int, keep: list[KVBlock]) -> bool:
+        """Make `num_blocks` free, lapsing pins (never on `keep`) if need be; False if not."""
+        return num_blocks <= self.pool.num_free or self.pins.release(
+            num_blocks - self.pool.num_free, keep=keep)
+
+    def take_hit(self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None) -> None:
+        """Copy a shared tail this step writes into; take the hit blocks (before any group
+        allocates: an allocation could evict a free one). Then other groups', then `extend`."""
+        table = self._table(request.request_id)
+        num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
+        shared = self._shared_write_index(table, num_computed, num_new_tokens)
         if shared is not None:
             self._copy_block(table, shared)
         if hit is not None:
-            self.pool.touch(hit_blocks)
-            table.blocks.extend(hit_blocks)
+            self.pool.touch(hit.blocks)
+            table.blocks.extend(hit.blocks)
             if len(hit.block_hashes) > len(table.block_hashes):
                 table.block_hashes = list(hit.block_hashes)
-        # Every hit block is taken before any allocation, which could evict a free one.
-        self._group_grow(request.request_id, num_computed, num_new_tokens, hit)
+
+    def extend(self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None) -> None:
+        """Last part of growth: new blocks up to the step's last token."""
+        table = self._table(request.request_id)
+        num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
+        num_held = len(table.blocks) + table.num_dropped_blocks
+        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - num_held
         if num_new_blocks > 0:
             table.blocks.extend(self.pool.allocate(num_new_blocks))
-        return True
-
-    # A hybrid layout's other KV groups (`kv/hybrid.py`): their demand, then growth. None here.
-    def _group_demand(self, request_id: str, num_computed: int, num_new_tokens: int,
-                      hit: PrefixHit | None) -> tuple[int, list[KVBlock]]:
-        return 0, []
-
-    def _group_grow(self, request_id: str, num_computed: int, num_new_tokens: int,
-                    hit: PrefixHit | None) -> None:
-        pass
 
     def _shared_write_index(self, table: _BlockTable, num_computed: int,
                             num_new_tokens: int) -> int | None:
@@ -278,14 +271,24 @@ class KVCacheManager:
         published = []
         bs = self.block_size
         for i, block in enumerate(table.blocks[:num_full]):
-            if block.block_hash is None and self._publish(
+            if block.block_hash is None and self.publish(
                     block, table.block_hashes[i], table.block_hashes[i - 1] if i else None,
                     request.tokens_between(i * bs, (i + 1) * bs), request.cache_salt, COMPUTED):
                 published.append((block.block_id, table.block_hashes[i]))
         if published and self.tiers is not None:
             self.tiers.offload(published)
 
-    def _publish(self, block: KVBlock, block_hash: BlockHash, parent: BlockHash | None,
+    def publisher(self, tokens: list[int], cache_salt: str | None, origin: str) -> Publish:
+        """`publish` for the blocks of one sequence of `tokens`, by logical index."""
+        bs = self.block_size
+
+        def publish(block: KVBlock, j: int, block_hash: BlockHash,
+                    parent: BlockHash | None) -> bool:
+            return self.publish(block, block_hash, parent, tokens[j * bs:(j + 1) * bs],
+                                cache_salt, origin)
+        return publish
+
+    def publish(self, block: KVBlock, block_hash: BlockHash, parent: BlockHash | None,
                  tokens: list[int], cache_salt: str | None, origin: str) -> bool:
         """Publish a full block under its hash and log what it holds (`tokens`: its tokens;
         `parent`: the previous block's hash); False if another block already holds that hash
@@ -307,7 +310,7 @@ class KVCacheManager:
         if len(table.blocks) > keep:
             extra = table.blocks[keep:]
             del table.blocks[keep:]
-            self._free_blocks(list(reversed(extra)))
+            self.free_blocks(list(reversed(extra)))
 
     def slide_window(self, request: KVRequest) -> None:
         """Window mode: free the request's blocks no later query can see (sinks stay)."""
@@ -322,7 +325,7 @@ class KVCacheManager:
         dead = table.blocks[first:first + num_new]
         del table.blocks[first:first + num_new]
         table.num_dropped_blocks += num_new
-        self._free_blocks(dead)
+        self.free_blocks(dead)
 
     def free(self, request_id: str, finished: bool = True) -> None:
         """Release the request's blocks, tail first, so its head stays cached longest. A
@@ -330,14 +333,14 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         if table is None:
             return
-        self._free_blocks(list(reversed(table.blocks)))
+        self.free_blocks(list(reversed(table.blocks)))
         if finished:
             del self._tables[request_id]
         else:
             table.blocks = []
             table.num_dropped_blocks = 0
 
-    def _free_blocks(self, blocks: list[KVBlock]) -> None:
+    def free_blocks(self, blocks: list[KVBlock]) -> None:
         self.pool.free(blocks)
         if self.on_free is not None:
             self.on_free([b.block_id for b in blocks if b.ref_cnt == 0])
@@ -380,17 +383,18 @@ class KVCacheManager:
                        pool.num_in_use, len(self.pins), self.prefix_cache_query_tokens,
                        self.prefix_cache_hit_tokens, self.tier_hit_tokens, self.num_copied_blocks)
 
-    def snapshot(self) -> KVSnapshot:
-        """Block states, published blocks and holders: plain copies for the live view."""
-        tables = ((rid, t.cache_salt, [b.block_id for b in self._holdings(rid)])
+    def snapshot(self, more: Holdings | None = None) -> KVSnapshot:
+        """Block states, published blocks and holders (`more`: in other KV groups)."""
+        tables = ((rid, t.cache_salt, [b.block_id for b in self._holdings(rid, more)])
                   for rid, t in self._tables.items())
         presence = self.tiers.presence if self.tiers is not None else None
         return take_snapshot(self.block_size, self.pool.blocks, self.pins.block_ids(),
                              self.log, tables, presence)
 
-    def check_integrity(self) -> None:
-        check_holders(self.pool, self.pins, (self._holdings(rid) for rid in self._tables))
+    def check_integrity(self, more: Holdings | None = None) -> None:
+        check_holders(self.pool, self.pins, (self._holdings(rid, more) for rid in self._tables))
 
-    def _holdings(self, request_id: str) -> list[KVBlock]:
-        """Every block the request holds (in every KV group)."""
-        return self._tables[request_id].blocks
+    def _holdings(self, request_id: str, more: Holdings | None) -> list[KVBlock]:
+        """Every block the request holds (its table, and `more`'s other KV groups)."""
+        held = self._tables[request_id].blocks
+        return held + more(request_id) if more is not None else held

@@ -38,8 +38,8 @@ class PrefixHit:
     num_restored_tokens: int = 0  # of num_tokens, loaded from a tier below the memory pool
     # The request's full-block hashes, computed for the lookup; `allocate` keeps them.
     block_hashes: list[BlockHash] = field(default_factory=list)
-    # A hybrid layout's other KV groups (`kv/hybrid.py`): per group, per logical block of the
-    # hit, its block, or None where the group's window no longer reaches.
+    # A hybrid layout's other KV groups (`kv/coordinator.py`): per group, per logical block of
+    # the hit, its block, or None where the group's window no longer reaches.
     group_blocks: list[list[KVBlock | None]] = field(default_factory=list)
 
 

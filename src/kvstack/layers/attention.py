@@ -4,8 +4,10 @@ The linear layers run on all new tokens of a step flattened to [T, hidden] (no p
 Attention groups them: all single-token decodes share one batched call; each prefill chunk
 gets its own call (its queries attend causally to the cached prefix plus themselves). With a
 lossy KV cache (quantized or cast) a prefill reads its own K/V back from the cache too, so every
-query attends to exactly what later steps will read. Window mode has its own path
-(`window_attention.py`).
+query attends to exactly what later steps will read. Each KV mode has its own metadata type,
+which attends its own way: block tables (`AttentionMetadata`), the approximate window mode
+(`WindowModeMetadata`, `window_attention.py`) and a hybrid layout's groups
+(`GroupedMetadata`); `paged_attention` asks none of them which it is.
 """
 
 from __future__ import annotations
@@ -32,38 +34,98 @@ class PrefillSpan:
     positions: torch.Tensor | None = None
 
 
-class RowFilter(Protocol):
-    """A step that computes only some rows past some layer (selective recompute, `blend/`)."""
+class LayerHook(Protocol):
+    """A feature's part in a step's layer loop, called by every model the same way: after
+    each layer's Q/K/V it may keep only some rows from there on (blending's selective
+    recompute, `blend/`), and it turns the last hidden states back into the step's rows."""
 
     meta: AttentionMetadata  # the metadata of the rows still computed
 
-    def select(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_storage: KVCacheStorage | None) -> torch.Tensor | None:
+    def after_qkv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kv_storage: KVCacheStorage | None) -> torch.Tensor | None:
         """After layer `layer`'s Q/K/V of the current rows: the rows (indices into them) that
         go on from here, `meta` updated to them; None: all of them."""
         ...
 
-    def expand(self, hidden: torch.Tensor) -> torch.Tensor:
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows computed to the end -> one row per original row."""
         ...
 
 
 @dataclass
 class AttentionMetadata:
+    """A step over block tables (full attention; no KV cache: `slot_mapping` None)."""
+
     slot_mapping: torch.Tensor | None  # [T] where each new token's K/V go; None: no KV cache
     decode_rows: torch.Tensor | None  # [B_d] rows of decode tokens in the flattened batch
     decode_slots: torch.Tensor | None  # [B_d, max_ctx] slots to read (padded with slot 0)
     decode_mask: torch.Tensor | None  # [B_d, 1, 1, max_ctx] True where a key is real
     prefills: list[PrefillSpan]
-    window: list[WindowSpan] | None = None  # window mode: every query goes through these
     decode_lens: torch.Tensor | None = None  # [B_d] real keys per decode row (int64)
     use_kernels: bool = False  # the C decode kernel may run (False: PyTorch ops only)
-    blend: RowFilter | None = None  # a blended step (`blend/`): rows drop out after a layer
     # window -> (decode slots, lens) narrowed to it, filled on first use within the step
     window_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # A hybrid KV layout (`kv/groups.py`): per model layer, its place in a page (the storage
-    # layer it reads and writes) and the metadata of its group's block table.
-    layers: list[tuple[int, AttentionMetadata]] | None = None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_storage: KVCacheStorage | None, window: int | None,
+               scale: float | None) -> torch.Tensor:
+        if (kv_storage is not None and self.slot_mapping is not None
+                and not _store_kernel(layer, k, v, self, kv_storage)):
+            kv_storage.write(layer, self.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        if kv_storage is None or kv_storage.basis is None:
+            return _attend(layer, q, k, v, self, kv_storage, window, scale, out)
+        # K/V come back in the storage's orthonormal basis: meet them there (every span reads
+        # them back, the cache being lossy), then turn the output back. The C decode kernel
+        # does both turns itself, so a step of decodes only needs no product here.
+        decoded = _decode_kernel(layer, q, out, self, kv_storage, window, scale)
+        if decoded and not self.prefills:
+            return out
+        qb, turned = q @ kv_storage.basis, torch.empty_like(q)
+        if not decoded:
+            _decode_torch(layer, qb, turned, self, kv_storage, window, scale)
+        _prefill_spans(layer, qb, k, v, self, kv_storage, window, scale, turned)
+        turned = turned @ kv_storage.basis.T
+        if decoded:
+            turned[self.decode_rows] = out[self.decode_rows]
+        return turned
+
+
+@dataclass
+class WindowModeMetadata:
+    """A step in the approximate window mode (`window_attention.py`): every query goes
+    through the spans, which carry the rotations attention applies."""
+
+    slot_mapping: torch.Tensor  # [T] where each new token's (unrotated) K/V go
+    spans: list[WindowSpan]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_storage: KVCacheStorage | None, window: int | None,
+               scale: float | None) -> torch.Tensor:
+        assert kv_storage is not None and window is None and scale is None
+        kv_storage.write(layer, self.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        for span in self.spans:
+            window_attention(layer, q, out, span, kv_storage)
+        return out
+
+
+@dataclass
+class GroupedMetadata:
+    """A step over a hybrid KV layout (`kv/groups.py`): per model layer, its place in a page
+    (the storage layer it reads and writes) and the metadata of its group's block table."""
+
+    layers: list[tuple[int, AttentionMetadata]]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_storage: KVCacheStorage | None, window: int | None,
+               scale: float | None) -> torch.Tensor:
+        place, meta = self.layers[layer]
+        return meta.attend(place, q, k, v, kv_storage, window, scale)
+
+
+# What a model's forward gets for a step: one value per KV mode, each attending its own way.
+StepMetadata = AttentionMetadata | WindowModeMetadata | GroupedMetadata
 
 
 def paged_attention(
@@ -71,7 +133,7 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: StepMetadata,
     kv_storage: KVCacheStorage | None,
     window: int | None = None,
     scale: float | None = None,
@@ -82,59 +144,41 @@ def paged_attention(
     itself included; exact, as the model was trained); `scale`: the score scale (default
     head_dim ** -0.5). Either one sends decodes through PyTorch rather than the C kernel.
     """
-    if meta.layers is not None:
-        layer, meta = meta.layers[layer]
-    if (kv_storage is not None and meta.slot_mapping is not None
-            and not _store_kernel(layer, k, v, meta, kv_storage)):
-        kv_storage.write(layer, meta.slot_mapping, k, v)
-    out = torch.empty_like(q)
-    if meta.window is not None:
-        assert kv_storage is not None and window is None and scale is None
-        for window_span in meta.window:
-            window_attention(layer, q, out, window_span, kv_storage)
-        return out
-    if kv_storage is None or kv_storage.basis is None:
-        return _attend(layer, q, k, v, meta, kv_storage, window, scale, out)
-    # K/V come back in the storage's orthonormal basis: meet them there (every span reads
-    # them back, the cache being lossy), then turn the output back. The C decode kernel does
-    # both turns itself, so a step of decodes only needs no product here.
-    decoded = _decode_kernel(layer, q, out, meta, kv_storage, window, scale)
-    if decoded and not meta.prefills:
-        return out
-    turned = _attend(layer, q @ kv_storage.basis, k, v, meta, kv_storage, window, scale,
-                     torch.empty_like(q), decodes=not decoded, kernel=False) @ kv_storage.basis.T
-    if decoded:
-        turned[meta.decode_rows] = out[meta.decode_rows]
-    return turned
+    return meta.attend(layer, q, k, v, kv_storage, window, scale)
 
 
-def _attend(
-    layer: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    meta: AttentionMetadata,
-    kv_storage: KVCacheStorage | None,
-    window: int | None,
-    scale: float | None,
-    out: torch.Tensor,
-    decodes: bool = True,
-    kernel: bool = True,
-) -> torch.Tensor:
-    """Fills `out` (and returns it): the decode rows (unless `decodes` is False: done
-    already; `kernel=False`: not through the C kernel, which takes q in the model's basis)
-    and every prefill span."""
-    if decodes and meta.decode_rows is not None:
+def _attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            meta: AttentionMetadata, kv_storage: KVCacheStorage | None, window: int | None,
+            scale: float | None, out: torch.Tensor) -> torch.Tensor:
+    """Fills `out` (and returns it): the decode rows (the C kernel where it applies) and
+    every prefill span."""
+    if meta.decode_rows is not None:
         assert kv_storage is not None
-        if not (kernel and _decode_kernel(layer, q, out, meta, kv_storage, window, scale)):
-            slots, mask = _decode_window(meta, window)
-            kd, vd = kv_storage.read(layer, slots)  # [B, S, H_kv, D]
-            qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-            od = F.scaled_dot_product_attention(
-                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=scale,
-                enable_gqa=True,
-            )
-            out[meta.decode_rows] = od.squeeze(2)
+        if not _decode_kernel(layer, q, out, meta, kv_storage, window, scale):
+            _decode_torch(layer, q, out, meta, kv_storage, window, scale)
+    _prefill_spans(layer, q, k, v, meta, kv_storage, window, scale, out)
+    return out
+
+
+def _decode_torch(layer: int, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
+                  kv_storage: KVCacheStorage, window: int | None, scale: float | None) -> None:
+    """The decode rows of `out` through PyTorch (a gathered copy of each row's context)."""
+    if meta.decode_rows is None:
+        return
+    slots, mask = _decode_window(meta, window)
+    kd, vd = kv_storage.read(layer, slots)  # [B, S, H_kv, D]
+    qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+    od = F.scaled_dot_product_attention(
+        qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=scale,
+        enable_gqa=True,
+    )
+    out[meta.decode_rows] = od.squeeze(2)
+
+
+def _prefill_spans(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   meta: AttentionMetadata, kv_storage: KVCacheStorage | None,
+                   window: int | None, scale: float | None, out: torch.Tensor) -> None:
+    """Every prefill span's rows of `out`."""
     for span in meta.prefills:
         # 4-D [1, H, q, D] inputs: 3-D ones miss SDPA's fused CPU kernel (5x slower).
         qs = q[span.start : span.end].transpose(0, 1)[None]
@@ -165,7 +209,6 @@ def _attend(
                 attn_mask=mask, scale=scale, enable_gqa=True,
             )
         out[span.start : span.end] = os_[0].transpose(0, 1)
-    return out
 
 
 def _prefill_mask(num_q: int, context_len: int, window: int | None) -> torch.Tensor:
@@ -223,7 +266,8 @@ def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: Attenti
     context per step); a window layer gets each row's last `window` slots. Plain caches of
     q's dtype (or bfloat16 under float32), int8 / fp8 ones (dequantized in the kernel); False
     where it does not apply (other storages, kernels off)."""
-    if (not meta.use_kernels or meta.decode_lens is None
+    rows, slots, lens = meta.decode_rows, meta.decode_slots, meta.decode_lens
+    if (not meta.use_kernels or rows is None or slots is None or lens is None
             or not kernel_ops.available(q.dtype)):
         return False
     tensors = kv_storage.stored_tensors(layer)  # a bfloat16 cache widens exactly, as `read`
@@ -231,10 +275,8 @@ def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: Attenti
     if not (tensors is not None and kernel_ops.cache_readable(q.dtype, tensors[0].dtype)
             or quantized is not None):
         return False
-    rows = meta.decode_rows
     only_decodes = not meta.prefills and rows.numel() == q.shape[0]
     qd = (q if only_decodes else q[rows]).contiguous()
-    slots, lens = meta.decode_slots, meta.decode_lens
     if window is not None:
         slots, lens = _window_slots(meta, window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -14,7 +14,7 @@ import torch
 from kvstack.config import ModelConfig
 from kvstack.kernels.gguf import GGUFLinear
 from kvstack.kv.storage.base import KVCacheStorage
-from kvstack.layers.attention import AttentionMetadata
+from kvstack.layers.attention import LayerHook, StepMetadata
 
 
 class CausalLM(Protocol):
@@ -39,9 +39,11 @@ class CausalLM(Protocol):
         as quantized blocks (quantization="gguf")."""
         ...
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_storage: KVCacheStorage | None) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden] after the final norm."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
+                kv_storage: KVCacheStorage | None,
+                hook: LayerHook | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden] after the final norm.
+        `hook`: a feature's part in the layer loop (`LayerHook`), after each layer's Q/K/V."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

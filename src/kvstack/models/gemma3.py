@@ -21,7 +21,7 @@ from kvstack.errors import ModelLoadError, UnsupportedModelError
 from kvstack.kernels.gguf import GGUFLinear
 from kvstack.kernels.linear import Linear
 from kvstack.kv.storage.base import KVCacheStorage
-from kvstack.layers.attention import AttentionMetadata, paged_attention
+from kvstack.layers.attention import LayerHook, StepMetadata, paged_attention
 from kvstack.layers.rope import inv_frequencies
 from kvstack.models.base import ModelFamily
 from kvstack.models.gemma3_config import (
@@ -154,38 +154,42 @@ class Gemma3ForCausalLM:
         return rows * self.embed_scale
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_storage: KVCacheStorage | None) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
+                kv_storage: KVCacheStorage | None,
+                hook: LayerHook | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm);
+        `hook` may keep only some rows after a layer's Q/K/V (`LayerHook`)."""
         c = self.config
         eps = c.rms_norm_eps
         h = self._embed(input_ids)
         rope = {t: _cos_sin(positions, f, self.dtype) for t, f in self.inv_freq.items()}
         for i, layer in enumerate(self.layers):
             x = gemma_rms_norm(h, layer.input_norm, eps)
-            attn = self._attention(i, layer, x, rope[c.layer_types[i]], meta, kv_storage)
+            q, k, v = self._qkv(layer, x, rope[c.layer_types[i]])
+            if hook is not None and (rows := hook.after_qkv(i, q, k, v, kv_storage)) is not None:
+                h, q, k, v, meta = h[rows], q[rows], k[rows], v[rows], hook.meta
+                rope = {t: (cos[rows], sin[rows]) for t, (cos, sin) in rope.items()}
+            attn = paged_attention(i, q, k, v, meta, kv_storage, window=self.windows[i],
+                                   scale=self.attn_scale).reshape(q.shape[0], -1)
             h = h + gemma_rms_norm(layer.o(attn), layer.post_attn_norm, eps)
             x = gemma_rms_norm(h, layer.pre_ffw_norm, eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             gated = F.gelu(gate, approximate="tanh") * up
             h = h + gemma_rms_norm(layer.down(gated), layer.post_ffw_norm, eps)
-        return gemma_rms_norm(h, self.final_norm, eps)
+        h = gemma_rms_norm(h, self.final_norm, eps)
+        return hook.finish(h) if hook is not None else h
 
-    def _attention(self, i: int, layer: _Layer, x: torch.Tensor,
-                   cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                   kv_storage: KVCacheStorage | None) -> torch.Tensor:
-        """x: [T, hidden] -> attention output [T, H D], before o_proj. K is cached after its
-        QK-norm and RoPE."""
+    def _qkv(self, layer: _Layer, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> q [T, H, D], k and v [T, H_kv, D]. K is cached after its QK-norm
+        and RoPE."""
         c = self.config
         d, num_t = c.head_dim, x.shape[0]
         q, k, v = layer.qkv(x).split(
             [c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         q = gemma_rms_norm(q.reshape(num_t, c.num_heads, d), layer.q_norm, c.rms_norm_eps)
         k = gemma_rms_norm(k.reshape(num_t, c.num_kv_heads, d), layer.k_norm, c.rms_norm_eps)
-        q, k = _rotate(q, *cos_sin), _rotate(k, *cos_sin)
-        out = paged_attention(i, q, k, v.reshape(num_t, c.num_kv_heads, d), meta, kv_storage,
-                              window=self.windows[i], scale=self.attn_scale)
-        return out.reshape(num_t, c.num_heads * d)
+        return _rotate(q, *cos_sin), _rotate(k, *cos_sin), v.reshape(num_t, c.num_kv_heads, d)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

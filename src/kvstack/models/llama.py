@@ -23,7 +23,7 @@ from kvstack.kernels.decode_step import DecodeStep, LayerWeights, StepCaches, ru
 from kvstack.kernels.gguf import GGUFLinear
 from kvstack.kernels.linear import Linear
 from kvstack.kv.storage.base import KVCacheStorage
-from kvstack.layers.attention import AttentionMetadata, paged_attention
+from kvstack.layers.attention import AttentionMetadata, LayerHook, StepMetadata, paged_attention
 from kvstack.layers.rope import RotaryEmbedding
 from kvstack.models.base import ModelFamily
 from kvstack.models.linears import AnyLinear, LinearBuilder
@@ -120,8 +120,9 @@ class LlamaForCausalLM:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
         kv_storage: KVCacheStorage | None,
+        hook: LayerHook | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm).
 
@@ -132,7 +133,7 @@ class LlamaForCausalLM:
         """
         h = self._embed(input_ids)
         if (self.use_kernels and input_ids.shape[0] <= self.lm_head.max_kernel_rows
-                and meta.window is None and meta.blend is None
+                and isinstance(meta, AttentionMetadata) and hook is None
                 and kernel_ops.available(self.dtype)):
             h = h.contiguous()
             cos, sin = self.rope.cos[positions], self.rope.sin[positions]  # fp32 [T, D]
@@ -144,28 +145,29 @@ class LlamaForCausalLM:
                                meta.decode_lens)
                 return kernel_ops.rms_norm(h, self.final_norm, self.config.rms_norm_eps,
                                            residual=pending)
-            return self._layers(h, _KernelOps(self.config, cos, sin), meta, kv_storage)
+            return self._layers(h, _KernelOps(self.config, cos, sin), meta, kv_storage, hook)
         cos, sin = self.rope.table(positions, self.dtype)
-        return self._layers(h, _TorchOps(self.config, self.rope, cos, sin), meta, kv_storage)
+        return self._layers(h, _TorchOps(self.config, self.rope, cos, sin), meta, kv_storage,
+                            hook)
 
-    def _layers(self, h: torch.Tensor, ops: _Ops, meta: AttentionMetadata,
-                kv_storage: KVCacheStorage | None) -> torch.Tensor:
-        """The decoder layers over the residual stream h [T, hidden] (updated in place)."""
+    def _layers(self, h: torch.Tensor, ops: _Ops, meta: StepMetadata,
+                kv_storage: KVCacheStorage | None, hook: LayerHook | None) -> torch.Tensor:
+        """The decoder layers over the residual stream h [T, hidden] (updated in place);
+        `hook` may keep only some rows after a layer's Q/K/V (`LayerHook`)."""
         c = self.config
         num_q = c.num_heads * c.head_dim
         pending: torch.Tensor | None = None  # the last block's output, added to h by the norm
-        blend = meta.blend  # selective recompute (`blend/`): rows may stop after a layer
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(h, layer.input_norm, pending)
             q, k, v = ops.qkv_rope(layer.qkv(x))
-            if blend is not None and (rows := blend.select(i, q, k, v, kv_storage)) is not None:
+            if hook is not None and (rows := hook.after_qkv(i, q, k, v, kv_storage)) is not None:
                 h, q, k, v = h[rows], q[rows], k[rows], v[rows]
-                meta, ops = blend.meta, ops.take(rows)
+                meta, ops = hook.meta, ops.take(rows)
             attn = paged_attention(i, q, k, v, meta, kv_storage)
             x = ops.add_rms_norm(h, layer.post_norm, layer.o(attn.view(-1, num_q)))
             pending = layer.down(ops.silu_mul(layer.gate_up(x)))
         h = ops.add_rms_norm(h, self.final_norm, pending)
-        return blend.expand(h) if blend is not None else h
+        return hook.finish(h) if hook is not None else h
 
     def _decode_step(self, kv_storage: KVCacheStorage | None) -> DecodeStep | None:
         """The one-call decode step over this storage, built on first use; None where the
@@ -210,7 +212,7 @@ class _Ops:
         raise NotImplementedError
 
     def take(self, rows: torch.Tensor) -> _Ops:
-        """These ops for a subset of the rows (a blended step; torch path only)."""
+        """These ops for a subset of the rows (a layer hook kept only them; torch path only)."""
         raise NotImplementedError
 
 

@@ -1,0 +1,47 @@
+"""The engine's side of drafts, as hooks: after a step samples a request, its draft window,
+counts and the rest of its pending draft; once it goes on, its next prompt-lookup draft; and
+the totals `EngineStats` reports. Registered in `engine/builder.py`."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvstack.drafts.prompt_lookup import DraftingRequest, propose_drafts
+from kvstack.drafts.verify import next_window, remaining_draft
+
+
+class TrackedRequest(DraftingRequest, Protocol):
+    """What the tracker reads and writes of a request."""
+
+    draft_window: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+class DraftTracker:
+    """`lossy_kv_cache`: the window never grows over a lossy cache (see `next_window`)."""
+
+    def __init__(self, lossy_kv_cache: bool) -> None:
+        self.lossy_kv_cache = lossy_kv_cache
+        self.num_draft_tokens = 0  # draft tokens verified, and of those accepted
+        self.num_accepted_tokens = 0
+
+    def after_sampling(self, request: TrackedRequest, num_fed: int,
+                       token_ids: list[int]) -> None:
+        """A step fed `num_fed` draft tokens and emitted `token_ids` (the accepted ones, then
+        the model's own)."""
+        num_accepted = len(token_ids) - 1
+        request.draft_window = next_window(request.draft_window, num_fed, num_accepted,
+                                           self.lossy_kv_cache)
+        request.num_draft_tokens += num_fed
+        request.num_accepted_tokens += num_accepted
+        self.num_draft_tokens += num_fed
+        self.num_accepted_tokens += num_accepted
+        request.draft_token_ids = remaining_draft(request.draft_token_ids, token_ids)
+
+    def after_output(self, request: TrackedRequest) -> None:
+        propose_drafts(request)
+
+    def stats_fields(self) -> dict[str, int]:
+        return {"num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens}

@@ -1,0 +1,81 @@
+"""The points where an optional feature joins the engine's step, so the loop never names it.
+
+`engine/builder.py` is the one place that registers features here (today: structured outputs
+when a request is added and before a step runs; blending's chunk lookups before scheduling
+and its row filter in the layer loop; drafts after sampling and after output). A new feature
+adds a callable to a list; `LLMEngine` and `ModelRunner.run` call every one in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstack.engine.request import Request
+from kvstack.engine.scheduler import ScheduledRequest
+from kvstack.layers.attention import LayerHook, StepMetadata
+from kvstack.sampling_params import SamplingParams
+
+# When a request is added, with its sampling parameters, before anything is queued: it may
+# refuse them (a typed error), and returns what to do to each of the request's samples once
+# they exist (None: nothing).
+OnAdd = Callable[[SamplingParams], Callable[[Request], None] | None]
+# Before each schedule, with the waiting queue (a feature may prepare its requests).
+BeforeSchedule = Callable[[Sequence[Request]], None]
+# Before a scheduled step runs, with its requests.
+BeforeRun = Callable[[Sequence[ScheduledRequest]], None]
+# Per step, with the scheduled requests, positions [T] and metadata: the step's layer hook, or
+# None where the feature has nothing to do this step.
+LayerPlanner = Callable[[Sequence[ScheduledRequest], torch.Tensor, StepMetadata],
+                        LayerHook | None]
+# After a step sampled a request: (request, draft tokens it fed, the tokens it emitted).
+AfterSampling = Callable[[Request, int, list[int]], None]
+# A request that gained tokens this step and goes on (its output already made).
+AfterOutput = Callable[[Request], None]
+# A feature's `EngineStats` fields.
+StatsFields = Callable[[], dict[str, int]]
+
+
+@dataclass
+class StepHooks:
+    on_add: list[OnAdd] = field(default_factory=list)
+    before_schedule: list[BeforeSchedule] = field(default_factory=list)
+    before_run: list[BeforeRun] = field(default_factory=list)
+    layer: list[LayerPlanner] = field(default_factory=list)
+    after_sampling: list[AfterSampling] = field(default_factory=list)
+    after_output: list[AfterOutput] = field(default_factory=list)
+    stats: list[StatsFields] = field(default_factory=list)
+    # The registered features by name, for front ends and benchmarks that tune one.
+    features: dict[str, object] = field(default_factory=dict)
+
+    def run_on_add(self, sampling_params: SamplingParams) -> list[Callable[[Request], None]]:
+        return [setup for hook in self.on_add if (setup := hook(sampling_params)) is not None]
+
+    def run_before_schedule(self, waiting: Sequence[Request]) -> None:
+        for hook in self.before_schedule:
+            hook(waiting)
+
+    def run_before_run(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        for hook in self.before_run:
+            hook(scheduled)
+
+    def layer_hook(self, scheduled: Sequence[ScheduledRequest], positions: torch.Tensor,
+                   meta: StepMetadata) -> LayerHook | None:
+        """The step's layer hook: the first planner's that has one (one per step)."""
+        for planner in self.layer:
+            if (hook := planner(scheduled, positions, meta)) is not None:
+                return hook
+        return None
+
+    def run_after_sampling(self, request: Request, num_fed: int, token_ids: list[int]) -> None:
+        for hook in self.after_sampling:
+            hook(request, num_fed, token_ids)
+
+    def run_after_output(self, request: Request) -> None:
+        for hook in self.after_output:
+            hook(request)
+
+    def stats_fields(self) -> dict[str, int]:
+        return {k: v for fields in self.stats for k, v in fields().items()}
