@@ -15,6 +15,7 @@ from kvstack.config import EngineConfig, ModelConfig
 from kvstack.drafts.tracker import DraftTracker
 from kvstack.engine.hooks import StepHooks
 from kvstack.engine.steps import GroupedSteps, PagedSteps, StepBuilder, WindowSteps
+from kvstack.engine.tier_control import TierControl
 from kvstack.engine.tokenizer import load_tokenizer
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.coordinator import KVCacheCoordinator
@@ -50,6 +51,7 @@ class EngineParts:
     blender: Blender | None = None  # chunk cache, blending; None: no KV cache, window, int4
     steps: StepBuilder | None = None  # the KV mode's step builder (`engine/steps.py`)
     hooks: StepHooks = field(default_factory=StepHooks)  # optional features' hook points
+    tier_control: TierControl | None = None  # pins, warming, flushing (`engine/tier_control`)
     # Prompt scores beside the prefix cache's blocks; without one it keeps nothing.
     score_store: ScoreStore = field(default_factory=ScoreStore.inert)
 
@@ -88,13 +90,15 @@ def build_engine(config: EngineConfig, clock: Clock = MONOTONIC) -> EngineParts:
     if cache.use_kv_cache:
         _build_kv(parts, config, clock)
     parts.steps = step_builder(parts)
-    register_features(parts)
+    register_features(parts, clock)
     return parts
 
 
-def register_features(parts: EngineParts) -> None:
+def register_features(parts: EngineParts, clock: Clock) -> None:
     """The registration point of optional features: each joins the step's hook points."""
     hooks = parts.hooks
+    parts.tier_control = TierControl(parts.kv_manager, parts.kv_tiers, clock)
+    hooks.before_schedule.append(parts.tier_control.before_schedule)  # pins lapse first
     structured = StructuredOutputs(parts.tokenizer, parts.model_config.vocab_size,
                                    eos_token_ids(parts.model_config, parts.tokenizer))
     hooks.on_add.append(structured.on_add)

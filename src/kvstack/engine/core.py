@@ -64,7 +64,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.blender = parts.blender  # chunk cache and blended steps (`blend/`)
-        assert parts.steps is not None  # build_engine sets it
+        assert parts.steps is not None and parts.tier_control is not None  # build_engine's
+        self.tier_control = parts.tier_control
         self.hooks = parts.hooks  # optional features' hook points (`engine/hooks.py`)
         self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), parts.steps,
                                   self.hooks)
@@ -195,8 +196,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return outputs of requests that gained tokens or finished."""
-        self.kv_manager.expire_pins(self.clock())
-        self.hooks.run_before_schedule(self.scheduler.waiting)
+        self.hooks.run_before_schedule(self.scheduler.waiting)  # pins lapse, blending, ...
         ready, self.groups.ready = self.groups.ready, []
         batch = self.scheduler.schedule()
         if not batch.scheduled:
@@ -292,44 +292,32 @@ class LLMEngine:
         if not self.kv_manager.set_tiers(tiers):
             raise InvalidRequestError("block tiers need the prefix cache; turn it on")
 
+    # -- tier control (`engine/tier_control.py`) ---------------------------------------------
+
     def pin_prefix(
         self, token_ids: Sequence[int], cache_salt: str | None, ttl_s: float
     ) -> tuple[int, int]:
         """Keep the cached blocks of this prefix from eviction for `ttl_s` seconds (a pin hit
         again is refreshed). Returns (tokens newly pinned, tokens already pinned); only full
         blocks already in the prefix cache are pinned, so call it after the prefill."""
-        now = self.clock()
-        self.kv_manager.expire_pins(now)
-        return self.kv_manager.pin_prefix(list(token_ids), cache_salt, now + ttl_s)
+        return self.tier_control.pin_prefix(token_ids, cache_salt, ttl_s)
 
     def warm(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Make sure the tiers hold this prefix's full blocks, which a finished prefill left in
         the memory cache; returns the tokens the tiers now hold (waits for the writes)."""
-        if self.kv_tiers is None:
-            raise InvalidRequestError("warming needs a KV tier; give kv_disk_dir or kv_redis_url")
-        hashes = self.kv_manager.prefix_hashes(token_ids, cache_salt)
-        self.kv_tiers.flush()
-        held = self.kv_tiers.lookup(hashes)
-        if held < len(hashes):
-            # Dropped from a full write queue, or lost by a tier since: write them again.
-            self.kv_tiers.forget(hashes[held:])
-            self.kv_tiers.offload(self.kv_manager.cached_run(hashes)[held:], wait=True)
-            self.kv_tiers.flush()
-            held = self.kv_tiers.lookup(hashes)
-        return held * self.kv_manager.block_size
+        return self.tier_control.warm(token_ids, cache_salt)
 
     def flush_tiers(self, timeout: float | None = None) -> bool:
         """Wait for blocks queued for the tiers to be written; False on timeout."""
-        return self.kv_tiers.flush(timeout) if self.kv_tiers else True
+        return self.tier_control.flush(timeout)
 
     def tier_stats(self) -> dict[str, TierStats]:
         """Counters of each tier below the memory pool, by tier name (disk, redis)."""
-        return {s.name: s for s in self.kv_tiers.stats()} if self.kv_tiers else {}
+        return self.tier_control.stats()
 
     def close(self) -> None:
         """Wait for pending tier writes and release the tiers (idempotent)."""
-        if self.kv_tiers is not None:
-            self.kv_tiers.close()
+        self.tier_control.close()
 
     def stats(self) -> EngineStats:
         usage = self.kv_manager.usage()

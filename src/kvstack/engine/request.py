@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -22,6 +23,21 @@ from kvstack.outputs import (
 )
 from kvstack.sampling_params import SamplingParams
 from kvstack.scoring.prompt import PromptScores
+
+
+class StepPlan(Protocol):
+    """A request's own say in how its prompt is cut into steps (a blended request's region,
+    `blend/state.py`): the scheduler asks it and never which feature made it."""
+
+    def admit(self, prefix_len: int) -> None:
+        """Admitted with this exact prefix hit."""
+        ...
+    def fit(self, start: int, num_new: int, num_rest: int, region_taken: bool) -> int:
+        """Tokens from `start` this step, `num_new` being what the budget allows; 0: wait."""
+        ...
+    def is_region_step(self, start: int) -> bool:
+        """True when the step from `start` is the one run whole (one such step at a time)."""
+        ...
 
 
 class RequestStatus(enum.Enum):
@@ -96,6 +112,11 @@ class Request:
         if self.scored is None:
             self.scored = torch.full((self.num_scored, values.shape[1]), float("nan"))
         self.scored[first:first + values.shape[0]] = values
+
+    @property
+    def step_plan(self) -> StepPlan | None:
+        """The request's own plan of its prompt's steps, if it has one (blending's)."""
+        return self.blend
 
     @property
     def num_exact_tokens(self) -> int | None:

@@ -138,16 +138,17 @@ class Scheduler:
 
     def _fit(self, request: Request, start: int, budget: int, out: SchedulerOutput) -> int:
         """New tokens from `start` this step: what is left of the prompt (or one decode token)
-        within the budget and the chunk cap. A blended request (`blend/`) computes up to its
-        region in chunks, then the whole region in one step, even past the budget (its step
-        then uses the budget up), one region a step; 0: it waits."""
+        within the budget and the chunk cap. A request with a step plan (`StepPlan`: a blended
+        request computes up to its region in chunks, then the whole region in one step, even
+        past the budget) decides itself, one region a step; 0: it waits."""
         rest = request.num_tokens - start
         num_new = min(rest, budget, self.max_chunk)
-        if request.blend is None:
+        plan = request.step_plan
+        if plan is None:
             return num_new
-        taken = any(s.request.blend is not None and s.request.blend.is_region_step(
-            s.request.num_computed_tokens) for s in out.scheduled)
-        return request.blend.fit(start, num_new, rest, taken)
+        taken = any((p := s.request.step_plan) is not None
+                    and p.is_region_step(s.request.num_computed_tokens) for s in out.scheduled)
+        return plan.fit(start, num_new, rest, taken)
 
     def _drafts(self, request: Request, start: int, num_new: int, budget: int) -> list[int]:
         """The request's draft tokens that fit this step: only when the step reaches the end
@@ -200,8 +201,8 @@ class Scheduler:
             if self._joins_in_flight(request, hit, in_flight):
                 deferred.append(self.waiting.popleft())
                 continue
-            if request.blend is not None:
-                request.blend.admit(hit.num_tokens)
+            if (plan := request.step_plan) is not None:
+                plan.admit(hit.num_tokens)
             num_new = self._fit(request, hit.num_tokens, budget, out)
             if num_new == 0:
                 break
@@ -239,10 +240,10 @@ class Scheduler:
     def _joins_in_flight(self, request: Request, hit: PrefixHit,
                          in_flight: set[BlockHash]) -> bool:
         """True when the first block past the request's hit is being computed by another
-        request (so waiting a step or two turns it into a hit). Only for plain requests: a
-        blended one plans its own regions."""
+        request (so waiting a step or two turns it into a hit). Only for plain requests: one
+        with a step plan plans its own steps."""
         kv = self.kv_manager
-        if not in_flight or request.blend is not None:
+        if not in_flight or request.step_plan is not None:
             return False
         # The last token is always computed, so only blocks before it can become a hit.
         max_blocks = (request.num_tokens - 1) // kv.block_size
