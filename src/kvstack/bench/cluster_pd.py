@@ -56,7 +56,7 @@ def pd_workload(num_requests: int, rate_per_s: float, token_range: tuple[int, in
 
 
 def run_pd(subject: Subject, options: BenchOptions) -> CaseResult:
-    from kvstack.cluster.launch import RayInstance, free_port, start_http
+    from kvstack.cluster.launch import PD_OBJECT_STORE_BYTES, RayInstance, free_port, start_http
 
     if subject.tokenizer is None:
         raise InvalidRequestError(f"bench cluster serves HTTP, which needs a tokenizer; "
@@ -67,7 +67,8 @@ def run_pd(subject: Subject, options: BenchOptions) -> CaseResult:
     workload = pd_workload(num_requests, rate, (min(100, vocab // 2), min(49_000, vocab - 1)),
                            options.quick)
     results = {}
-    with RayInstance(num_cpus=2 * options.threads, log_to_driver=False):
+    with RayInstance(num_cpus=2 * options.threads, log_to_driver=False,
+                     object_store_bytes=PD_OBJECT_STORE_BYTES):
         port = free_port()
         start_http("127.0.0.1", port)
         for name, num_prefill in CONFIGS:

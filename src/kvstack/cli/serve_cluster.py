@@ -20,7 +20,14 @@ from kvstack.server.state import ServerConfig
 def run_cluster(args: argparse.Namespace, keys: list[str], config: ServerConfig) -> int:
     try:
         from kvstack.cluster.deployments import ClusterSpec, build_app
-        from kvstack.cluster.launch import RayInstance, deploy, start_http, undeploy
+        from kvstack.cluster.launch import (
+            OBJECT_STORE_BYTES,
+            PD_OBJECT_STORE_BYTES,
+            RayInstance,
+            deploy,
+            start_http,
+            undeploy,
+        )
     except ImportError as err:
         from kvstack.errors import InvalidRequestError
 
@@ -36,7 +43,9 @@ def run_cluster(args: argparse.Namespace, keys: list[str], config: ServerConfig)
     )
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     stop = threading.Event()
-    with RayInstance(args.ray_address, num_cpus=args.replicas * threads):
+    store = PD_OBJECT_STORE_BYTES if spec.num_prefill_replicas else OBJECT_STORE_BYTES
+    with RayInstance(args.ray_address, num_cpus=args.replicas * threads,
+                     object_store_bytes=store):
         # ray.init installs its own SIGTERM handler in the driver: ours goes on top.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: _stop(stop, signum, frame))

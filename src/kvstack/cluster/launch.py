@@ -2,10 +2,11 @@
 
 Without an address, `RayInstance` starts a private local Ray: its own short temp dir (removed
 afterwards; Ray's socket paths must stay short), loopback addresses, no dashboard, explicit
-free ports where Ray takes them, a 100 MiB object store (nothing large travels through it),
-and as many logical CPUs as the replicas ask for. Ray's token authentication stays on (Ray's
-default for a local instance): its processes listen on every interface even when the node
-address is loopback, and the token is what keeps others out. With an address ("auto", or
+free ports where Ray takes them, a 100 MiB object store (nothing large travels through it;
+with prefill replicas 2 GiB: it carries the KV handoffs), and as many logical CPUs as the
+replicas ask for. Ray's token authentication stays on (Ray's default for a local instance):
+its processes listen on every interface even when the node address is loopback, and the token
+is what keeps others out. With an address ("auto", or
 host:port of `ray start --head`) it joins that cluster and leaves it running afterwards.
 """
 
@@ -26,6 +27,9 @@ import httpx
 from kvstack.errors import KvstackError
 
 OBJECT_STORE_BYTES = 100 * 2**20
+# With prefill replicas the object store carries every handoff in flight (46 KB per token of
+# the embedded model's float32 KV: 184 MB for a 4,000-token prompt); 100 MiB would spill them.
+PD_OBJECT_STORE_BYTES = 2 * 2**30
 READY_TIMEOUT_S = 600.0  # replicas load the model in parallel; a loaded machine is slow
 # Serve's controller kills an HTTP proxy that misses 3 readiness checks of 5 s each, and
 # serve.start then fails: on a busy machine (both cores computing) a proxy can take longer
@@ -46,9 +50,11 @@ def free_port() -> int:
 
 class RayInstance:
     def __init__(self, address: str | None = None, num_cpus: int | None = None,
-                 log_to_driver: bool = True) -> None:
+                 log_to_driver: bool = True,
+                 object_store_bytes: int = OBJECT_STORE_BYTES) -> None:
         self.address = address
         self.num_cpus = num_cpus
+        self.object_store_bytes = object_store_bytes
         self.log_to_driver = log_to_driver
         self.temp_dir: Path | None = None
 
@@ -67,7 +73,7 @@ class RayInstance:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="kr", dir=tempfile.gettempdir()))
         try:
             ray.init(num_cpus=self.num_cpus, include_dashboard=False,
-                     object_store_memory=OBJECT_STORE_BYTES, _node_ip_address="127.0.0.1",
+                     object_store_memory=self.object_store_bytes, _node_ip_address="127.0.0.1",
                      _temp_dir=str(self.temp_dir), _metrics_export_port=free_port(), **kwargs)
         except Exception as err:
             self._remove_temp_dir()
