@@ -55,7 +55,7 @@ def llm(tiny4: Path) -> LLM:
 
 
 def warm(llm: LLM, docs: list[int]) -> None:
-    llm.engine.blender.cache.clear()  # type: ignore[union-attr]
+    llm.blender.cache.clear()  # type: ignore[union-attr]
     llm.precompute_chunks([Chunk(token_ids=DOCS[i]) for i in docs])
 
 
@@ -75,7 +75,7 @@ def test_ratio_one_is_full_prefill(llm: LLM) -> None:
 def exact_entries(llm: LLM, order: list[int]) -> None:
     """Put into the chunk cache each chunk's K/V as a full prefill of this very prompt
     computes them (an EXACT cache), keys turned back to before RoPE."""
-    model, blender = llm.engine.model, llm.engine.blender
+    model, blender = llm.engine.model, llm.blender
     assert blender is not None
     ids = flat(order)["prompt_token_ids"]
     n = len(ids)
@@ -109,7 +109,7 @@ def test_recompute_over_an_exact_cache_is_full_prefill(llm: LLM, params: BlendPa
 
 def test_placed_layer0_keys_and_values_equal_fresh_ones(llm: LLM) -> None:
     exact_entries(llm, [0, 1, 2])
-    blender = llm.engine.blender
+    blender = llm.blender
     assert blender is not None
     fresh = {}
     for i in (0, 2):

@@ -35,7 +35,8 @@ from kvstack.sampling_params import SamplingParams
 class BlendRequest(Protocol):
     """What the blender reads of a request."""
 
-    blend: BlendState | None
+    @property
+    def step_plan(self) -> object: ...  # a blended request's: its BlendState
     cache_salt: str | None
     prompt_token_ids: list[int]
     num_computed_tokens: int
@@ -123,8 +124,8 @@ class Blender:
         """Compute queued chunk entries, then look up the chunks of new blended requests."""
         self.fill(self.max_fill_tokens)
         for request in waiting:
-            state = request.blend
-            if state is not None and not state.resolved:
+            state = request.step_plan
+            if isinstance(state, BlendState) and not state.resolved:
                 self._resolve(request, state)
 
     def _resolve(self, request: BlendRequest, state: BlendState) -> None:
@@ -147,8 +148,8 @@ class Blender:
         row = 0
         for s in scheduled:
             r = s.request
-            state = r.blend
-            if state is not None and state.is_region_step(r.num_computed_tokens):
+            state = r.step_plan
+            if isinstance(state, BlendState) and state.is_region_step(r.num_computed_tokens):
                 plan = BlendPlan(state, self._region(state, s, row), meta, positions,
                                  self.rotary, self.model.config.num_layers, self._add_usage)
                 plan.place(self.kv_storage)

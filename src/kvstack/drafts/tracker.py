@@ -1,13 +1,15 @@
-"""The engine's side of drafts, as hooks: after a step samples a request, its draft window,
-counts and the rest of its pending draft; once it goes on, its next prompt-lookup draft; and
-the totals `EngineStats` reports. Registered in `engine/builder.py`."""
+"""The engine's side of drafts, as hooks: a new request's first draft window; after a step
+samples a request, its draft window, counts and the rest of its pending draft; once it goes
+on, its next prompt-lookup draft; and the totals `EngineStats` reports. Registered in
+`engine/builder.py`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kvstack.drafts.prompt_lookup import DraftingRequest, propose_drafts
-from kvstack.drafts.verify import next_window, remaining_draft
+from kvstack.drafts.verify import FIRST_WINDOW, next_window, remaining_draft
 
 
 class TrackedRequest(DraftingRequest, Protocol):
@@ -25,6 +27,10 @@ class DraftTracker:
         self.lossy_kv_cache = lossy_kv_cache
         self.num_draft_tokens = 0  # draft tokens verified, and of those accepted
         self.num_accepted_tokens = 0
+
+    def on_add(self, new: object) -> Callable[[TrackedRequest], None]:
+        """Each new request starts with the first draft window."""
+        return _first_window
 
     def after_sampling(self, request: TrackedRequest, num_fed: int,
                        token_ids: list[int]) -> None:
@@ -45,3 +51,7 @@ class DraftTracker:
     def stats_fields(self) -> dict[str, int]:
         return {"num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens}
+
+
+def _first_window(request: TrackedRequest) -> None:
+    request.draft_window = FIRST_WINDOW

@@ -3,17 +3,21 @@ storage, the tiers below it and the KV manager over them."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvstack.blend.blender import Blender
+from kvstack.blend.blender import Blender, blend_state
+from kvstack.blend.params import BlendSpec
 from kvstack.clock import MONOTONIC, Clock
 from kvstack.config import EngineConfig, ModelConfig
 from kvstack.drafts.tracker import DraftTracker
-from kvstack.engine.hooks import StepHooks
+from kvstack.engine.hooks import NewRequest, OnAdd, StepHooks
+from kvstack.engine.request import Request
 from kvstack.engine.steps import GroupedSteps, PagedSteps, StepBuilder, WindowSteps
 from kvstack.engine.tier_control import TierControl
 from kvstack.engine.tokenizer import load_tokenizer
@@ -30,6 +34,7 @@ from kvstack.kv.tiers.chain import TierChain, build_tiers
 from kvstack.kv.tiers.codec import BlockFormat
 from kvstack.kv.window import SlidingWindow
 from kvstack.models import CausalLM, family_of
+from kvstack.scoring.prompt import PromptScores
 from kvstack.scoring.store import ScoreStore
 from kvstack.structured.feature import StructuredOutputs
 from kvstack.weights import Checkpoint, load_checkpoint
@@ -90,21 +95,27 @@ def build_engine(config: EngineConfig, clock: Clock = MONOTONIC) -> EngineParts:
     if cache.use_kv_cache:
         _build_kv(parts, config, clock)
     parts.steps = step_builder(parts)
-    register_features(parts, clock)
+    register_features(parts, cache.block_size, clock)
     return parts
 
 
-def register_features(parts: EngineParts, clock: Clock) -> None:
-    """The registration point of optional features: each joins the step's hook points."""
+def register_features(parts: EngineParts, block_size: int, clock: Clock) -> None:
+    """The registration point of optional features: each joins the step's hook points
+    (`on_add` hooks run in this order, so a request is refused as it always was)."""
     hooks = parts.hooks
     parts.tier_control = TierControl(parts.kv_manager, parts.kv_tiers, clock)
     hooks.before_schedule.append(parts.tier_control.before_schedule)  # pins lapse first
     structured = StructuredOutputs(parts.tokenizer, parts.model_config.vocab_size,
                                    eos_token_ids(parts.model_config, parts.tokenizer))
-    hooks.on_add.append(structured.on_add)
+    hooks.on_add.append(lambda new: structured.on_add(new.sampling_params))
     hooks.before_run.append(structured.before_run)
     hooks.features["structured"] = structured
+    # Blending refuses a spec it cannot run (no blender: window mode, int4, Gemma 3).
+    hooks.on_add.append(_blend_setup(parts.blender))
+    hooks.on_add.append(_scoring_setup(block_size, parts.tokenizer))
+    hooks.options |= {"blend", "num_scored"}
     drafts = DraftTracker(parts.kv_storage is not None and parts.kv_storage.lossy)
+    hooks.on_add.append(drafts.on_add)
     hooks.after_sampling.append(drafts.after_sampling)
     hooks.after_output.append(drafts.after_output)
     hooks.stats.append(drafts.stats_fields)
@@ -112,6 +123,55 @@ def register_features(parts: EngineParts, clock: Clock) -> None:
         hooks.before_schedule.append(parts.blender.before_step)
         hooks.layer.append(parts.blender.plan_step)
         hooks.stats.append(parts.blender.stats_fields)
+        hooks.features["blend"] = parts.blender  # `LLM.precompute_chunks`, `reset_chunk_cache`
+
+
+def _num_scored(new: NewRequest) -> int:
+    num_scored = new.options.get("num_scored") or 0
+    if not isinstance(num_scored, int):
+        raise InvalidRequestError(f"num_scored must be an integer, got {num_scored!r}")
+    return min(max(num_scored, 0), len(new.prompt_token_ids))
+
+
+def _blend_setup(blender: Blender | None) -> OnAdd:
+    """Blending's `on_add`: a blended request's state (`blend=BlendSpec`), after its checks
+    (BlendError), as the request's step plan."""
+    def on_add(new: NewRequest) -> Callable[[Request], None] | None:
+        spec = new.options.get("blend")
+        if spec is not None and not isinstance(spec, BlendSpec):
+            raise InvalidRequestError(f"blend must be a BlendSpec, got {type(spec).__name__}")
+        state = blend_state(blender, spec, new.prompt_token_ids, new.cache_salt,
+                            new.sampling_params, new.num_samples, _num_scored(new))
+        if state is None:
+            return None
+
+        def attach(request: Request) -> None:
+            request.step_plan = state
+        return attach
+    return on_add
+
+
+def _scoring_setup(block_size: int, tokenizer: Any | None) -> OnAdd:
+    """Scoring's `on_add`: the scored prompt positions (`num_scored`, `LLM.score`) and, with
+    prompt_logprobs, each sample's prompt scores."""
+    # A token's text alone (prompt logprobs show it for every alternative): decoded once.
+    token_text: Callable[[int], str | None] = (
+        functools.cache(lambda token_id: tokenizer.decode([token_id]))
+        if tokenizer is not None else (lambda token_id: None))
+
+    def on_add(new: NewRequest) -> Callable[[Request], None] | None:
+        num_scored = _num_scored(new)
+        scores_prompt = new.sampling_params.prompt_logprobs is not None
+        if not num_scored and not scores_prompt:
+            return None
+
+        def attach(request: Request) -> None:
+            request.num_scored = num_scored
+            if scores_prompt:
+                request.prompt_scores = PromptScores(new.prompt_token_ids, block_size,
+                                                     token_text)
+        return attach
+    return on_add
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Any | None) -> frozenset[int]:

@@ -3,18 +3,16 @@ front ends drive it."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 
-from kvstack.blend.blender import blend_state
-from kvstack.blend.params import BlendSpec
 from kvstack.clock import MONOTONIC, Clock
 from kvstack.config import EngineConfig
 from kvstack.engine.builder import build_engine, eos_token_ids
 from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder
+from kvstack.engine.hooks import NewRequest
 from kvstack.engine.info import ModelInfo
 from kvstack.engine.parallel import SampleGroup, SampleGroups, check_fits, sample_ids, sample_params
 from kvstack.engine.request import Request
@@ -30,7 +28,6 @@ from kvstack.kv.tiers.base import BlockTiers, TierStats
 from kvstack.layers.sampler import Sampler
 from kvstack.outputs import DRAFT, MODEL, RequestOutput
 from kvstack.sampling_params import SamplingParams
-from kvstack.scoring.prompt import PromptScores
 
 
 class LLMEngine:
@@ -40,11 +37,7 @@ class LLMEngine:
         parts = build_engine(config, clock)
         self.model_config = parts.model_config
         self.model = parts.model
-        self.tokenizer = tokenizer = parts.tokenizer
-        # A token's text alone (prompt logprobs show it for every alternative): decoded once.
-        self._token_text: Callable[[int], str | None] = (
-            functools.cache(lambda token_id: tokenizer.decode([token_id]))
-            if tokenizer is not None else (lambda token_id: None))
+        self.tokenizer = parts.tokenizer
         self.fingerprint = parts.fingerprint
         self.kv_cache_dtype = parts.kv_cache_dtype
         self.kv_storage = parts.kv_storage
@@ -63,7 +56,6 @@ class LLMEngine:
         )
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.blender = parts.blender  # chunk cache and blended steps (`blend/`)
         assert parts.steps is not None and parts.tier_control is not None  # build_engine's
         self.tier_control = parts.tier_control
         self.hooks = parts.hooks  # optional features' hook points (`engine/hooks.py`)
@@ -88,19 +80,22 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         draft_token_ids: Sequence[int] | None = None,
-        blend: BlendSpec | None = None,
-        num_scored: int = 0,
+        **options: object,
     ) -> Request | SampleGroup:
         """Validate and queue a request. Raises a KvstackError subclass on bad input.
 
-        `blend`: reuse the prompt's chunks' K/V (APPROXIMATE, `blend/`). `num_scored`: keep
-        the log-prob rows of the last prompt positions (`Request.scored`).
+        `options`: the registered features' own inputs (`StepHooks.options`), each read by its
+        feature's `on_add` hook: `blend=BlendSpec(...)` reuses the prompt's chunks' K/V
+        (APPROXIMATE, `blend/`); `num_scored=k` keeps the log-prob rows of the last k prompt
+        positions (`Request.scored`). Any other keyword is a TypeError.
 
         `draft_token_ids`: a guess at the output, verified against the model's own greedy
         choices (only the agreeing prefix is kept; greedy requests without penalties only,
         others ignore it); ids must be in the vocabulary, an empty list is no draft, and a
         draft longer than the request's max_tokens is cut to it. With n or best_of > 1 the
         request runs as a `SampleGroup` of samples sharing the prompt (`engine/parallel.py`)."""
+        if unknown := sorted(set(options) - self.hooks.options):
+            raise TypeError(f"add_request() got unexpected keyword arguments {unknown}")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(sampling_params, len(token_ids))
@@ -110,8 +105,9 @@ class LLMEngine:
         ids = sample_ids(request_id, sp.num_sequences)
         if any(i in self.requests or i in self.groups for i in {request_id, *ids}):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        setups = self.hooks.run_on_add(sp)  # features check sp first (structured outputs)
-        blended = blend_state(self.blender, blend, token_ids, cache_salt, sp, len(ids), num_scored)
+        # Features check the request first (structured outputs, blending) and say how to set
+        # up each sample (their per-request state).
+        setups = self.hooks.run_on_add(NewRequest(sp, token_ids, cache_salt, len(ids), options))
         requests = []
         for i, rid in enumerate(ids):
             request = self.requests[rid] = Request(
@@ -126,9 +122,6 @@ class LLMEngine:
                 draft_token_ids=self._draft(draft_token_ids, max_tokens),
                 parent_request_id=None if len(ids) == 1 else request_id,
                 sample_index=i,
-                blend=blended,
-                num_scored=min(max(num_scored, 0), len(token_ids)),
-                prompt_scores=self._prompt_scores(sp, token_ids),
             )
             for setup in setups:
                 setup(request)
@@ -140,12 +133,6 @@ class LLMEngine:
         for request in [requests[0]] if requests[0].pending_forks else requests:
             self.scheduler.add(request)
         return group
-
-    def _prompt_scores(self, sampling_params: SamplingParams,
-                       token_ids: list[int]) -> PromptScores | None:
-        if sampling_params.prompt_logprobs is None:
-            return None
-        return PromptScores(token_ids, self.config.cache.block_size, self._token_text)
 
     def _max_tokens(self, sampling_params: SamplingParams, num_prompt_tokens: int) -> int:
         max_len = self.max_model_len

@@ -1,14 +1,15 @@
 """The points where an optional feature joins the engine's step, so the loop never names it.
 
-`engine/builder.py` is the one place that registers features here (today: structured outputs
-when a request is added and before a step runs; blending's chunk lookups before scheduling
-and its row filter in the layer loop; drafts after sampling and after output). A new feature
+`engine/builder.py` is the one place that registers features here (today: structured outputs,
+blending, scoring and drafts when a request is added; structured outputs before a step runs;
+blending's chunk lookups before scheduling and its row filter in the layer loop; drafts after
+sampling and after output). A new feature
 adds a callable to a list; `LLMEngine` and `ModelRunner.run` call every one in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -18,10 +19,24 @@ from kvstack.engine.scheduler import ScheduledRequest
 from kvstack.layers.attention import LayerHook, StepMetadata
 from kvstack.sampling_params import SamplingParams
 
-# When a request is added, with its sampling parameters, before anything is queued: it may
-# refuse them (a typed error), and returns what to do to each of the request's samples once
-# they exist (None: nothing).
-OnAdd = Callable[[SamplingParams], Callable[[Request], None] | None]
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request being added, before its samples exist: what `on_add` hooks decide on."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    cache_salt: str | None
+    num_samples: int  # parallel samples (n / best_of); 1: a request of its own
+    # The features' own per-request inputs, by the keyword `LLMEngine.add_request` took
+    # (blending's `blend`, scoring's `num_scored`); a feature reads only its own.
+    options: Mapping[str, object] = field(default_factory=dict)
+
+
+# When a request is added, before anything is queued: it may refuse it (a typed error), and
+# returns what to do to each of the request's samples once they exist (None: nothing) -- the
+# feature's per-request state is made there.
+OnAdd = Callable[[NewRequest], Callable[[Request], None] | None]
 # Before each schedule, with the waiting queue (a feature may prepare its requests).
 BeforeSchedule = Callable[[Sequence[Request]], None]
 # Before a scheduled step runs, with its requests.
@@ -47,11 +62,13 @@ class StepHooks:
     after_sampling: list[AfterSampling] = field(default_factory=list)
     after_output: list[AfterOutput] = field(default_factory=list)
     stats: list[StatsFields] = field(default_factory=list)
+    # The `add_request` keywords the features read (`NewRequest.options`); any other is refused.
+    options: set[str] = field(default_factory=set)
     # The registered features by name, for front ends and benchmarks that tune one.
     features: dict[str, object] = field(default_factory=dict)
 
-    def run_on_add(self, sampling_params: SamplingParams) -> list[Callable[[Request], None]]:
-        return [setup for hook in self.on_add if (setup := hook(sampling_params)) is not None]
+    def run_on_add(self, new: NewRequest) -> list[Callable[[Request], None]]:
+        return [setup for hook in self.on_add if (setup := hook(new)) is not None]
 
     def run_before_schedule(self, waiting: Sequence[Request]) -> None:
         for hook in self.before_schedule:

@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import torch
 
+from kvstack.blend.blender import Blender
 from kvstack.blend.params import BlendParams, BlendSpec, Chunk
 from kvstack.blend.segments import (
     chat_segments,
@@ -209,7 +210,8 @@ class LLM:
         are rendered as `chat(documents=...)` renders them) ahead of the requests that use
         them; waits for the tier writes. Returns how many were computed (the rest were
         cached already)."""
-        if self.engine.blender is None:
+        blender = self.blender
+        if blender is None:
             raise InvalidRequestError("the chunk cache needs the paged KV cache, not window "
                                       "mode nor int4 K/V")
         if isinstance(chunks, (str, Chunk, Mapping)):
@@ -220,7 +222,7 @@ class LLM:
                 chunk = document_text(chunk, f"chunks[{i}]")
             ids.append(tokenize_segments(self.engine.tokenizer, [Chunk(chunk) if isinstance(
                 chunk, str) else chunk])[0])
-        return self.engine.blender.precompute(ids, cache_salt)
+        return blender.precompute(ids, cache_salt)
 
     def stream(
         self,
@@ -286,7 +288,14 @@ class LLM:
     def reset_chunk_cache(self) -> int:
         """Drop the blend chunk entries held in memory (the tiers keep theirs, so later
         requests restore them from there); returns how many."""
-        return self.engine.blender.reset_cache() if self.engine.blender is not None else 0
+        return self.blender.reset_cache() if self.blender is not None else 0
+
+    @property
+    def blender(self) -> Blender | None:
+        """Blending's chunk cache and blended steps, as registered with the engine's hooks
+        (None: no KV cache, window mode, int4 K/V or a model with sliding-window layers)."""
+        blender = self.engine.hooks.features.get("blend")
+        return blender if isinstance(blender, Blender) else None
 
     def warm(self, prompt: PromptType, cache_salt: str | None = None) -> int:
         """Precompute a prompt's KV into the tiers (a named prompt cache, e.g. a document that

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from kvstack.blend.state import BlendState
-from kvstack.drafts.verify import FIRST_WINDOW
 from kvstack.engine.detokenizer import IncrementalDetokenizer
 from kvstack.layers.sampler import SamplingState
 from kvstack.outputs import (
@@ -18,16 +17,19 @@ from kvstack.outputs import (
     COMPUTED,
     PREFIX_CACHE,
     TIER,
+    BlendUsage,
+    PromptLogprobs,
     Provenance,
     RequestMetrics,
 )
 from kvstack.sampling_params import SamplingParams
-from kvstack.scoring.prompt import PromptScores
 
 
 class StepPlan(Protocol):
-    """A request's own say in how its prompt is cut into steps (a blended request's region,
-    `blend/state.py`): the scheduler asks it and never which feature made it."""
+    """A request's own say in how its prompt is cut into steps and which of its K/V are
+    exact (a blended request's region, `blend/state.py`, set by blending's `on_add` hook):
+    the scheduler, the KV manager's publishing and the output ask it, never which feature
+    made it."""
 
     def admit(self, prefix_len: int) -> None:
         """Admitted with this exact prefix hit."""
@@ -38,6 +40,28 @@ class StepPlan(Protocol):
     def is_region_step(self, start: int) -> bool:
         """True when the step from `start` is the one run whole (one such step at a time)."""
         ...
+    @property
+    def exact_limit(self) -> int | None:
+        """Tokens whose K/V are exact, so publishable (None: all of them)."""
+        ...
+    @property
+    def reused_runs(self) -> Sequence[tuple[int, int]]:
+        """Prompt positions [start, end) whose K/V were reused, not computed."""
+        ...
+    def final_usage(self) -> BlendUsage | None:
+        """What the plan reused, for the output (None: nothing to report)."""
+        ...
+
+
+class PromptScoring(Protocol):
+    """A request's prompt scores (prompt logprobs, `scoring/prompt.py`, set by scoring's
+    `on_add` hook): the runner feeds it each step's rows, the output shows it."""
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    def score_step(self, start: int, hidden: torch.Tensor,
+                   compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
+    def logprobs(self, k: int) -> PromptLogprobs: ...
 
 
 class RequestStatus(enum.Enum):
@@ -60,7 +84,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     # With prompt_logprobs: the prompt's scores (parallel samples: sample 0's are shown).
-    prompt_scores: PromptScores | None = None
+    prompt_scores: PromptScoring | None = None
     # Tokens whose K/V sit in this request's blocks (the KV manager holds its block table);
     # advanced only by the scheduler.
     num_computed_tokens: int = 0
@@ -74,7 +98,7 @@ class Request:
     # Proposed continuation the engine verifies at the request's next sampling step (only the
     # tokens that match the model's own greedy choices are kept; `drafts/`).
     draft_token_ids: list[int] = field(default_factory=list)
-    draft_window: int = FIRST_WINDOW  # most draft tokens fed in one step (drafts/verify.py)
+    draft_window: int = 0  # most draft tokens fed in one step (drafts' on_add sets the first)
     num_draft_tokens: int = 0  # draft tokens fed to the model so far
     num_accepted_tokens: int = 0  # of those, the ones the model agreed with
     # Per output token, its `logprobs=k` most likely alternatives (k > 0 only).
@@ -88,7 +112,8 @@ class Request:
     # Output tokens by source (outputs.DRAFT, outputs.MODEL) as [source, count] runs.
     output_sources: list[list[str | int]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
-    blend: BlendState | None = None  # a blended request's chunks and region (`blend/`)
+    # The request's own plan of its prompt's steps, if a feature gave it one (blending's).
+    step_plan: StepPlan | None = None
     # Log-probability rows [num_scored, vocab] of the last num_scored prompt positions, when
     # asked for (`LLM.score`): row i predicts the token after position N - num_scored + i.
     num_scored: int = 0
@@ -114,14 +139,9 @@ class Request:
         self.scored[first:first + values.shape[0]] = values
 
     @property
-    def step_plan(self) -> StepPlan | None:
-        """The request's own plan of its prompt's steps, if it has one (blending's)."""
-        return self.blend
-
-    @property
     def num_exact_tokens(self) -> int | None:
         """Tokens whose K/V are exact, so publishable to the prefix cache (None: all)."""
-        return self.blend.exact_limit if self.blend is not None else None
+        return self.step_plan.exact_limit if self.step_plan is not None else None
 
     @property
     def scores_prompt(self) -> bool:
@@ -158,7 +178,7 @@ class Request:
         runs = [(PREFIX_CACHE, cached - self.num_restored_tokens),
                 (TIER, self.num_restored_tokens)]
         at = cached
-        for start, end in self.blend.reused_runs if self.blend is not None else ():
+        for start, end in self.step_plan.reused_runs if self.step_plan is not None else ():
             runs += [(COMPUTED, start - at), (BLENDED, end - start)]
             at = end
         runs.append((COMPUTED, self.num_prompt_tokens - at))

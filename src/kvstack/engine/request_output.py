@@ -65,5 +65,5 @@ def request_output(request: Request) -> RequestOutput:
         num_draft_tokens=request.num_draft_tokens,
         num_accepted_tokens=request.num_accepted_tokens,
         provenance=request.provenance(),
-        blend=request.blend.final_usage() if request.blend is not None else None,
+        blend=request.step_plan.final_usage() if request.step_plan is not None else None,
     )

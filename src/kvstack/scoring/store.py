@@ -27,7 +27,12 @@ class ScoredRequest(Protocol):
     @property
     def num_computed_tokens(self) -> int: ...
     @property
-    def prompt_scores(self) -> PromptScores | None: ...
+    def prompt_scores(self) -> object: ...  # a scoring request's: its PromptScores
+
+
+def _scores(request: ScoredRequest) -> PromptScores | None:
+    scores = request.prompt_scores
+    return scores if isinstance(scores, PromptScores) else None
 
 
 class ScoreStore:
@@ -77,7 +82,7 @@ class ScoreStore:
     def before_run(self, requests: Iterable[ScoredRequest]) -> None:
         """Give each scoring request just admitted with a hit the scores of its hit blocks."""
         for r in requests:
-            scores, num_computed = r.prompt_scores, r.num_computed_tokens
+            scores, num_computed = _scores(r), r.num_computed_tokens
             if (scores is None or not 0 < num_computed < scores.num_prompt_tokens
                     or scores.known[num_computed - 1]):
                 continue
@@ -88,7 +93,7 @@ class ScoreStore:
     def after_step(self, requests: Iterable[ScoredRequest]) -> None:
         """Keep the scores of scoring requests' newly published full prompt blocks."""
         for r in requests:
-            scores = r.prompt_scores
+            scores = _scores(r)
             if scores is None:
                 continue
             num_full = min(r.num_computed_tokens, scores.num_prompt_tokens) // scores.block_size
