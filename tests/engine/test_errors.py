@@ -133,6 +133,19 @@ def test_a_bad_prompt_in_stream_leaves_nothing_queued(llm: LLM) -> None:
     assert_still_works(llm)
 
 
+def test_feature_options_are_checked_before_anything_is_queued(llm: LLM) -> None:
+    # A feature's own add_request keyword reaches its on_add hook only; the engine refuses a
+    # keyword no feature declared, and blending refuses a value that is not a BlendSpec.
+    engine = llm.engine
+    with pytest.raises(TypeError, match="colour"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), colour="blue")
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), blend={"chunks": []})
+    assert_one_line(err, "BlendSpec")
+    assert not engine.has_unfinished()
+    assert_still_works(llm)
+
+
 def test_sampling_params_count_must_match_prompts(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError) as err:
         llm.generate([GOOD, GOOD], [SamplingParams()])
