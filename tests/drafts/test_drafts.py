@@ -162,6 +162,15 @@ def test_a_right_draft_takes_a_step_per_window(tiny: Path, plain: LLM) -> None:
     assert_idle(llm)
 
 
+def test_a_finished_request_drops_what_is_left_of_its_draft(tiny: Path) -> None:
+    llm = _cached_engine(tiny, {})
+    request = llm.engine.add_request([5, 6, 7], GREEDY, draft_token_ids=[3, 4, 5])
+    assert request.draft_token_ids == [3, 4, 5]
+    llm.engine.abort(request.request_id)  # never stepped: the whole draft is left
+    assert request.finished and request.draft_token_ids == []  # dropped by the on_finish hook
+    assert_idle(llm)
+
+
 def test_a_wrong_draft_costs_one_window(tiny: Path, plain: LLM) -> None:
     llm = engine(tiny)
     prompt = [5, 6, 7, 8, 10]

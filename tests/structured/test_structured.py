@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvstack import LLM, SamplingParams
+from kvstack.engine.request import Request
 from kvstack.errors import InvalidRequestError
 from kvstack.layers.sampler import SamplingState
 from kvstack.sampling_params import StructuredOutputsParams as Constraint
@@ -72,6 +73,16 @@ def test_choice_and_regex_of_a_short_answer_keep_the_greedy_tokens(llm: LLM) -> 
                        Constraint(grammar=f"start: {json.dumps(free.text)} | \"Perhaps\"")):
         assert chat(llm, messages, greedy(8, structured_outputs=constraint)).token_ids == \
             free.token_ids
+
+
+def test_a_finished_request_releases_its_guide(llm: LLM) -> None:
+    params = greedy(8, structured_outputs=Constraint(choice=["Paris", "Rome"]))
+    request = llm.engine.add_request("The capital of France is", params)
+    assert isinstance(request, Request) and request.sampling_state.guide is not None
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert request.text in ("Paris", "Rome")  # the guide held while it ran
+    assert request.finished and request.sampling_state.guide is None  # released at the end
 
 
 @pytest.mark.parametrize("constraint, check", [

@@ -1,7 +1,7 @@
 """The engine's side of drafts, as hooks: a new request's first draft window; after a step
 samples a request, its draft window, counts and the rest of its pending draft; once it goes
-on, its next prompt-lookup draft; and the totals `EngineStats` reports. Registered in
-`engine/builder.py`."""
+on, its next prompt-lookup draft; once it finishes, its draft dropped; and the totals
+`EngineStats` reports. Registered in `engine/builder.py`."""
 
 from __future__ import annotations
 
@@ -47,6 +47,10 @@ class DraftTracker:
 
     def after_output(self, request: TrackedRequest) -> None:
         propose_drafts(request)
+
+    def on_finish(self, request: TrackedRequest, reason: str) -> None:
+        """What is left of a finished request's draft is never fed."""
+        request.draft_token_ids = []
 
     def stats_fields(self) -> dict[str, int]:
         return {"num_draft_tokens": self.num_draft_tokens,

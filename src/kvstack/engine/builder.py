@@ -109,6 +109,7 @@ def register_features(parts: EngineParts, block_size: int, clock: Clock) -> None
                                    eos_token_ids(parts.model_config, parts.tokenizer))
     hooks.on_add.append(lambda new: structured.on_add(new.sampling_params))
     hooks.before_run.append(structured.before_run)
+    hooks.on_finish.append(structured.on_finish)
     hooks.features["structured"] = structured
     # Blending refuses a spec it cannot run (no blender: window mode, int4, Gemma 3).
     hooks.on_add.append(_blend_setup(parts.blender))
@@ -118,6 +119,7 @@ def register_features(parts: EngineParts, block_size: int, clock: Clock) -> None
     hooks.on_add.append(drafts.on_add)
     hooks.after_sampling.append(drafts.after_sampling)
     hooks.after_output.append(drafts.after_output)
+    hooks.on_finish.append(drafts.on_finish)
     hooks.stats.append(drafts.stats_fields)
     if parts.blender is not None:
         hooks.before_schedule.append(parts.blender.before_step)

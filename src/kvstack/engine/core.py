@@ -170,6 +170,7 @@ class LLMEngine:
         for request in group.samples if group else [self.requests.get(request_id)]:
             if request is not None and self.requests.pop(request.request_id, None) is not None:
                 self.scheduler.finish(request, "abort")  # ignores a finished one
+                self.hooks.run_on_finish(request, "abort")
                 if group is None and request.parent_request_id is not None:
                     self.groups.sample_ended(request)
 
@@ -204,6 +205,7 @@ class LLMEngine:
         for request, reason in finishing:
             self.scheduler.finish(request, reason)
             self.requests.pop(request.request_id, None)
+            self.hooks.run_on_finish(request, reason)
         outputs, parents = ready, []  # parents: parallel-sampling requests that gained
         for s, sampled in zip(batch.scheduled, result.samples, strict=True):
             if sampled is not None and s.request.parent_request_id is not None:

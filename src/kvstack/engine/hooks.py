@@ -3,7 +3,7 @@
 `engine/builder.py` is the one place that registers features here (today: structured outputs,
 blending, scoring and drafts when a request is added; structured outputs before a step runs;
 blending's chunk lookups before scheduling and its row filter in the layer loop; drafts after
-sampling and after output). A new feature
+sampling and after output; structured outputs and drafts when a request finishes). A new feature
 adds a callable to a list; `LLMEngine` and `ModelRunner.run` call every one in order.
 """
 
@@ -49,6 +49,9 @@ LayerPlanner = Callable[[Sequence[ScheduledRequest], torch.Tensor, StepMetadata]
 AfterSampling = Callable[[Request, int, list[int]], None]
 # A request that gained tokens this step and goes on (its output already made).
 AfterOutput = Callable[[Request], None]
+# A request that finished (why: "stop", "length", "abort"), its blocks already freed: a
+# feature drops its per-request state.
+OnFinish = Callable[[Request, str], None]
 # A feature's `EngineStats` fields.
 StatsFields = Callable[[], dict[str, int]]
 
@@ -61,6 +64,7 @@ class StepHooks:
     layer: list[LayerPlanner] = field(default_factory=list)
     after_sampling: list[AfterSampling] = field(default_factory=list)
     after_output: list[AfterOutput] = field(default_factory=list)
+    on_finish: list[OnFinish] = field(default_factory=list)
     stats: list[StatsFields] = field(default_factory=list)
     # The `add_request` keywords the features read (`NewRequest.options`); any other is refused.
     options: set[str] = field(default_factory=set)
@@ -93,6 +97,10 @@ class StepHooks:
     def run_after_output(self, request: Request) -> None:
         for hook in self.after_output:
             hook(request)
+
+    def run_on_finish(self, request: Request, reason: str) -> None:
+        for hook in self.on_finish:
+            hook(request, reason)
 
     def stats_fields(self) -> dict[str, int]:
         return {k: v for fields in self.stats for k, v in fields().items()}

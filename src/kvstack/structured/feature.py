@@ -54,6 +54,10 @@ class StructuredOutputs:
             request.sampling_state.guide = backend.guide(grammar, request)
         return attach
 
+    def on_finish(self, request: GuidedRequest, reason: str) -> None:
+        """A finished request's guide (its matcher) is released now, not with the request."""
+        request.sampling_state.guide = None
+
     def before_run(self, scheduled: Sequence[Scheduled]) -> None:
         """Masks of the guides that sample this step, computed while the model runs."""
         if self.backend is None:
