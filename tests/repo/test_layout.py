@@ -47,14 +47,11 @@ FEATURES = ("blend", "drafts", "structured", "scoring")
 ENGINE_ROOM = frozenset({"kv", "layers", "models", "engine"})
 # Module -> the features it may import. `engine.builder` is the registration point; `llm` and
 # `async_llm` are front doors that take a feature's request parameters (`BlendParams`,
-# `Chunk`). The rest is what issue 32 has not moved behind hooks yet: the runner verifying
-# drafts.
-# Shrink it, never grow it.
+# `Chunk`). Shrink it, never grow it.
 FEATURE_IMPORTS: dict[str, frozenset[str]] = {
     "kvstack.engine.builder": frozenset(FEATURES),
     "kvstack.engine.llm": frozenset({"blend"}),
     "kvstack.engine.async_llm": frozenset({"blend"}),
-    "kvstack.engine.runner": frozenset({"drafts"}),
 }
 
 

@@ -1,15 +1,19 @@
-"""The engine's side of drafts, as hooks: a new request's first draft window; after a step
-samples a request, its draft window, counts and the rest of its pending draft; once it goes
-on, its next prompt-lookup draft; once it finishes, its draft dropped; and the totals
-`EngineStats` reports. Registered in `engine/builder.py`."""
+"""The engine's side of drafts, as hooks: a new request's first draft window; a step's fed
+draft checked against the model's greedy choices; after a step samples a request, its draft
+window, counts and the rest of its pending draft; once it goes on, its next prompt-lookup
+draft; once it finishes, its draft dropped; and the totals `EngineStats` reports.
+Registered in `engine/builder.py`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Protocol
 
+import torch
+
 from kvstack.drafts.prompt_lookup import DraftingRequest, propose_drafts
-from kvstack.drafts.verify import FIRST_WINDOW, next_window, remaining_draft
+from kvstack.drafts.verify import FIRST_WINDOW, next_window, remaining_draft, verify_greedy
 
 
 class TrackedRequest(DraftingRequest, Protocol):
@@ -31,6 +35,12 @@ class DraftTracker:
     def on_add(self, new: object) -> Callable[[TrackedRequest], None]:
         """Each new request starts with the first draft window."""
         return _first_window
+
+    def verify(self, logits: torch.Tensor, draft: list[int]) -> tuple[list[int], int]:
+        """The draft checked against the model's greedy choices (`verify_greedy`): the tokens
+        to emit and how many draft tokens were rejected."""
+        verified = verify_greedy(logits, draft)
+        return verified.token_ids, verified.num_rejected
 
     def after_sampling(self, request: TrackedRequest, num_fed: int,
                        token_ids: list[int]) -> None:

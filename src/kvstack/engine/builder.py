@@ -117,6 +117,7 @@ def register_features(parts: EngineParts, block_size: int, clock: Clock) -> None
     hooks.options |= {"blend", "num_scored"}
     drafts = DraftTracker(parts.kv_storage is not None and parts.kv_storage.lossy)
     hooks.on_add.append(drafts.on_add)
+    hooks.verify_drafts = drafts.verify
     hooks.after_sampling.append(drafts.after_sampling)
     hooks.after_output.append(drafts.after_output)
     hooks.on_finish.append(drafts.on_finish)

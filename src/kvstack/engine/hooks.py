@@ -2,9 +2,10 @@
 
 `engine/builder.py` is the one place that registers features here (today: structured outputs,
 blending, scoring and drafts when a request is added; structured outputs before a step runs;
-blending's chunk lookups before scheduling and its row filter in the layer loop; drafts after
-sampling and after output; structured outputs and drafts when a request finishes). A new feature
-adds a callable to a list; `LLMEngine` and `ModelRunner.run` call every one in order.
+blending's chunk lookups before scheduling and its row filter in the layer loop; drafts'
+verification in the runner, after sampling and after output; structured outputs and drafts
+when a request finishes). A new feature adds a callable to a list; `LLMEngine` and
+`ModelRunner.run` call every one in order.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ BeforeRun = Callable[[Sequence[ScheduledRequest]], None]
 # None where the feature has nothing to do this step.
 LayerPlanner = Callable[[Sequence[ScheduledRequest], torch.Tensor, StepMetadata],
                         LayerHook | None]
+# A request's draft tokens checked against the step's logits, rows [len(draft) + 1, V] at
+# its last known token and at each draft token: (the tokens it emits -- the accepted draft
+# tokens, then the model's own next one --, the draft tokens it rejected).
+VerifyDrafts = Callable[[torch.Tensor, list[int]], tuple[list[int], int]]
 # After a step sampled a request: (request, draft tokens it fed, the tokens it emitted).
 AfterSampling = Callable[[Request, int, list[int]], None]
 # A request that gained tokens this step and goes on (its output already made).
@@ -62,6 +67,8 @@ class StepHooks:
     before_schedule: list[BeforeSchedule] = field(default_factory=list)
     before_run: list[BeforeRun] = field(default_factory=list)
     layer: list[LayerPlanner] = field(default_factory=list)
+    # The one verifier of fed draft tokens (drafts'); the runner calls it per drafting request.
+    verify_drafts: VerifyDrafts | None = None
     after_sampling: list[AfterSampling] = field(default_factory=list)
     after_output: list[AfterOutput] = field(default_factory=list)
     on_finish: list[OnFinish] = field(default_factory=list)
@@ -89,6 +96,11 @@ class StepHooks:
             if (hook := planner(scheduled, positions, meta)) is not None:
                 return hook
         return None
+
+    def verify(self, logits: torch.Tensor, draft: list[int]) -> tuple[list[int], int]:
+        if self.verify_drafts is None:
+            raise RuntimeError("a step fed draft tokens, but no feature verifies drafts")
+        return self.verify_drafts(logits, draft)
 
     def run_after_sampling(self, request: Request, num_fed: int, token_ids: list[int]) -> None:
         for hook in self.after_sampling:

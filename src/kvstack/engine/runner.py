@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstack.drafts.verify import verify_greedy
 from kvstack.engine.hooks import StepHooks
 from kvstack.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvstack.engine.steps import StepBuilder, StepInputs
@@ -69,11 +68,9 @@ class ModelRunner:
                 continue
             if s.num_draft_tokens:
                 rows = logits[row:row + s.num_draft_tokens + 1]
-                verified = verify_greedy(rows, s.draft_token_ids)
-                result.samples[i] = Sampled(verified.token_ids,
-                                            _logprobs(rows, verified.token_ids, s),
-                                            verified.num_rejected,
-                                            _top(rows[:len(verified.token_ids)], s))
+                token_ids, num_rejected = self.hooks.verify(rows, s.draft_token_ids)
+                result.samples[i] = Sampled(token_ids, _logprobs(rows, token_ids, s),
+                                            num_rejected, _top(rows[:len(token_ids)], s))
                 row += s.num_draft_tokens + 1
             else:
                 plain.append(i)
