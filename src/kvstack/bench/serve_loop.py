@@ -5,9 +5,9 @@ The engine's own per-token time beside the inter-token latency a streaming clien
 threads, prompts (~800 tokens), batch (1 and 4) and greedy 64-token answers.
 
 - engine: `LLMEngine.step` back to back on b requests added together, in a thread of its own
-  as `AsyncLLM` runs it (on a busy machine a loop in the main thread measured up to 10x slower
-  per step, so like is compared with like); the wall time of each step in which all b decode
-  (each gains one token per step).
+  as `AsyncLLM` runs it, the building thread's OpenMP workers handed back first as `AsyncLLM`
+  does (kernels/openmp.py), so like is compared with like; the wall time of each step in which
+  all b decode (each gains one token per step).
 - serve: `kvstack serve` started as a subprocess with the same flags; b clients stream
   `/v1/completions` of the same prompts (token ids, `ignore_eos`) at once. ITL: the gaps
   between a request's content events once all b have their first (from then on every step is
@@ -49,6 +49,7 @@ from kvstack.bench.common import (
 from kvstack.bench.format import fmt, fmt_x, ratio
 from kvstack.bench.http_load import READ_TIMEOUT_S, server_process
 from kvstack.bench.serve import percentile
+from kvstack.kernels.openmp import release_pool
 from kvstack.sampling_params import SamplingParams
 from kvstack.weights import is_gguf_model
 
@@ -116,7 +117,9 @@ def _engine_side(subject: Subject, options: BenchOptions, size: Sizes,
                       max_num_seqs=max(size.batches))
     params = SamplingParams(temperature=0, max_tokens=size.max_tokens, ignore_eos=True)
     try:
-        # One worker thread steps the engine, as AsyncLLM's thread does in the server.
+        # One worker thread steps the engine, as AsyncLLM's thread does in the server, after
+        # this thread hands back its OpenMP workers as AsyncLLM does (kernels/openmp.py).
+        release_pool()
         with ThreadPoolExecutor(1, thread_name_prefix="kvstack-bench-engine") as pool:
             return [pool.submit(_engine_batch, llm, rounds, params, b, bar).result()
                     for b, rounds in zip(size.batches, _rounds(prompts, size), strict=True)]

@@ -24,6 +24,7 @@ from kvstack.engine.embedding import embed
 from kvstack.engine.info import ModelInfo
 from kvstack.engine.stats import EngineStats
 from kvstack.errors import KvstackError
+from kvstack.kernels.openmp import release_pool
 from kvstack.kv.snapshot import KVSnapshot
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
@@ -121,6 +122,9 @@ class AsyncLLM:
         self._stop = False
         self._streams: dict[str, _Mailbox] = {}
         self._error: BaseException | None = None
+        # Only the engine thread should keep OpenMP workers: the thread that built the model
+        # hands its pool back, or every parallel region of a step pays a futex wake-up.
+        release_pool()
         self._thread = threading.Thread(target=self._loop, name="kvstack-engine", daemon=True)
         self._thread.start()
 
@@ -246,7 +250,10 @@ class AsyncLLM:
         if self._error is not None:
             raise EngineDeadError(f"engine failed: {self._error!r}; restart the server")
         with self._lock:
-            return embed(self.engine.model, token_ids).tolist()
+            try:
+                return embed(self.engine.model, token_ids).tolist()
+            finally:
+                release_pool()  # this pool thread ran torch: keep the engine thread's pool alone
 
     @property
     def info(self) -> ModelInfo:

