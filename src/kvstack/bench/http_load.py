@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,6 +151,24 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 # -- the load --------------------------------------------------------------------------------
 
 
+
+async def sse_chunks(client: httpx.AsyncClient, path: str, body: dict[str, Any]
+                     ) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of one streamed OpenAI response, as they arrive; a refusal or an error
+    event mid-stream is a RuntimeError naming it."""
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise RuntimeError(f"the server answered {response.status_code}: "
+                               f"{response.text[:500]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                raise RuntimeError(f"the server failed mid-stream: {chunk['error']}")
+            yield chunk
+
 class LoadTest:
     """Closed-loop clients on one connection pool; requests are numbered across the run."""
 
@@ -206,21 +224,11 @@ class LoadTest:
         first = last = None
         usage: dict[str, Any] | None = None
         start = time.perf_counter()
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise RuntimeError(f"the server answered {response.status_code}: "
-                                   f"{response.text[:500]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line.removeprefix("data: "))
-                if "error" in chunk:
-                    raise RuntimeError(f"the server failed mid-stream: {chunk['error']}")
-                if any(choice["delta"].get("content") for choice in chunk["choices"]):
-                    last = time.perf_counter()
-                    first = first or last
-                usage = chunk.get("usage") or usage
+        async for chunk in sse_chunks(client, "/v1/chat/completions", body):
+            if any(choice["delta"].get("content") for choice in chunk["choices"]):
+                last = time.perf_counter()
+                first = first or last
+            usage = chunk.get("usage") or usage
         if usage is None or first is None or last is None:
             raise RuntimeError("a stream ended without content or usage")
         num_tokens = usage["completion_tokens"]

