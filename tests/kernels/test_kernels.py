@@ -59,9 +59,20 @@ def test_int8_linear_is_the_dequantized_product(rows: int, k: int, n: int) -> No
         expected = _block_quantized(x).double() @ lin.dequantized().double().T
     # (A value on a rounding boundary may land one step over: 1e-3 leaves room for a few.)
     assert (lin(x).double() - expected).abs().max() < 1e-3
-    # Prefill-sized inputs take PyTorch's path with the same weights.
+    # Prefill-sized inputs take PyTorch's path with the same weights: the fp32 matmul over the
+    # dequantized weight, or where the CPU has bf16 dot products the bf16 one over the codes
+    # (x and the sum each rounded to bf16 once; both paths run here on any CPU).
+    assert lin.bf16_prefill == (lin.kernel is not None and isa.fast_bf16_matmul())
     big = torch.randn(INT8_KERNEL_ROWS + 3, k, generator=gen)
-    assert (lin(big).double() - big.double() @ lin.dequantized().double().T).abs().max() < 1e-4
+    exact = big.double() @ lin.dequantized().double().T
+    lin.bf16_prefill = False
+    assert (lin(big).double() - exact).abs().max() < 1e-4
+    lin.bf16_prefill = True
+    codes = big.bfloat16().double() @ lin.weight.double().T
+    expected = codes * lin.scale.double()
+    assert ((lin(big).double() - expected).abs()
+            <= 2**-8 * expected.abs() + 1e-5 * (1 + exact.abs().max())).all()
+    assert not torch.allclose(lin(big).double(), exact, rtol=1e-6, atol=0)
 
 
 def _block_quantized(x: torch.Tensor, block: int = 64) -> torch.Tensor:
