@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 from kvstack.config import SchedulerConfig
 from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder
-from kvstack.engine.parallel import sample_ids
 from kvstack.engine.request import Request
 from kvstack.engine.scheduler import Scheduler
 from kvstack.kv.coordinator import KVCacheCoordinator
 from kvstack.kv.manager import KVCacheManager
+from kvstack.samples.groups import sample_ids
 from kvstack.sampling_params import SamplingParams
 
 VOCAB = 50

@@ -28,7 +28,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in
     "kernels",
     "kv",
     "semantic scoring",
-    "layers drafts structured",
+    "layers drafts structured samples",
     "models",
     "weights",
     "blend",
@@ -42,7 +42,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in
 
 # Optional features, each in its own package: the engine reaches them through its hook points
 # (`engine/hooks.py`), registered in `engine/builder.py`.
-FEATURES = ("blend", "drafts", "structured", "scoring")
+FEATURES = ("blend", "drafts", "structured", "scoring", "samples")
 # The packages that run a step: a feature's name has no business here but where listed below.
 ENGINE_ROOM = frozenset({"kv", "layers", "models", "engine"})
 # Module -> the features it may import. `engine.builder` is the registration point; `llm` and

@@ -18,6 +18,7 @@ from kvstack.config import EngineConfig, ModelConfig
 from kvstack.drafts.tracker import DraftTracker
 from kvstack.engine.hooks import NewRequest, OnAdd, StepHooks
 from kvstack.engine.request import Request
+from kvstack.engine.request_output import completion_output
 from kvstack.engine.steps import GroupedSteps, PagedSteps, StepBuilder, WindowSteps
 from kvstack.engine.tier_control import TierControl
 from kvstack.engine.tokenizer import load_tokenizer
@@ -34,6 +35,7 @@ from kvstack.kv.tiers.chain import TierChain, build_tiers
 from kvstack.kv.tiers.codec import BlockFormat
 from kvstack.kv.window import SlidingWindow
 from kvstack.models import CausalLM, family_of
+from kvstack.samples.feature import ParallelSamples
 from kvstack.scoring.prompt import PromptScores
 from kvstack.scoring.store import ScoreStore
 from kvstack.structured.feature import StructuredOutputs
@@ -95,14 +97,16 @@ def build_engine(config: EngineConfig, clock: Clock = MONOTONIC) -> EngineParts:
     if cache.use_kv_cache:
         _build_kv(parts, config, clock)
     parts.steps = step_builder(parts)
-    register_features(parts, cache.block_size, clock)
+    register_features(parts, config, clock)
     return parts
 
 
-def register_features(parts: EngineParts, block_size: int, clock: Clock) -> None:
+def register_features(parts: EngineParts, config: EngineConfig, clock: Clock) -> None:
     """The registration point of optional features: each joins the step's hook points
     (`on_add` hooks run in this order, so a request is refused as it always was)."""
     hooks = parts.hooks
+    block_size = config.cache.block_size
+    _register_samples(hooks, config, parts.kv_manager)
     parts.tier_control = TierControl(parts.kv_manager, parts.kv_tiers, clock)
     hooks.before_schedule.append(parts.tier_control.before_schedule)  # pins lapse first
     structured = StructuredOutputs(parts.tokenizer, parts.model_config.vocab_size,
@@ -127,6 +131,35 @@ def register_features(parts: EngineParts, block_size: int, clock: Clock) -> None
         hooks.layer.append(parts.blender.plan_step)
         hooks.stats.append(parts.blender.stats_fields)
         hooks.features["blend"] = parts.blender  # `LLM.precompute_chunks`, `reset_chunk_cache`
+
+
+def _register_samples(hooks: StepHooks, config: EngineConfig, kv_manager: KVCacheMode) -> None:
+    """Parallel samples (`samples/`): a request with n or best_of > 1 runs as its samples,
+    which share its prompt's blocks where the KV mode can fork them; it checks first that
+    every request's sequences fit, all at once."""
+    samples: ParallelSamples[Request] = ParallelSamples(config.scheduler, kv_manager,
+                                                        completion_output)
+    hooks.split.append(lambda new: samples.split(
+        new.request_id, new.sampling_params, len(new.prompt_token_ids), new.max_tokens))
+
+    def on_add(new: NewRequest) -> Callable[[Request], None] | None:
+        if new.num_samples == 1:
+            return None
+        group: list[Request] = []
+
+        def attach(request: Request) -> None:
+            request.parent_request_id, request.sample_index = new.request_id, len(group)
+            group.append(request)
+            if len(group) < new.num_samples:
+                return
+            if kv_manager.can_fork:  # the first computes the prompt, the others fork it
+                group[0].pending_forks = group[1:]
+            samples.add(new.request_id, new.sampling_params, group)
+        return attach
+    hooks.on_add.append(on_add)
+    hooks.on_abort.append(samples.on_abort)
+    hooks.on_finish.append(samples.on_finish)
+    hooks.take_outputs.append(samples.take_outputs)
 
 
 def _num_scored(new: NewRequest) -> int:

@@ -3,6 +3,7 @@ front ends drive it."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -14,9 +15,8 @@ from kvstack.engine.builder import build_engine, eos_token_ids
 from kvstack.engine.detokenizer import IncrementalDetokenizer, NullDecoder
 from kvstack.engine.hooks import NewRequest
 from kvstack.engine.info import ModelInfo
-from kvstack.engine.parallel import SampleGroup, SampleGroups, check_fits, sample_ids, sample_params
-from kvstack.engine.request import Request
-from kvstack.engine.request_output import completion_output, request_output, stop_reason
+from kvstack.engine.request import Request, RequestGroup
+from kvstack.engine.request_output import request_output, stop_reason
 from kvstack.engine.runner import ModelRunner, Sampled
 from kvstack.engine.scheduler import Scheduler, SchedulerOutput
 from kvstack.engine.stats import EngineStats
@@ -62,7 +62,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), parts.steps,
                                   self.hooks)
         self.requests: dict[str, Request] = {}
-        self.groups = SampleGroups(completion_output)  # parallel samples, by the caller's id
+        # Outputs made between steps (an abort that ended a caller's request), for the next.
+        self.pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -81,7 +82,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         draft_token_ids: Sequence[int] | None = None,
         **options: object,
-    ) -> Request | SampleGroup:
+    ) -> Request | RequestGroup:
         """Validate and queue a request. Raises a KvstackError subclass on bad input.
 
         `options`: the registered features' own inputs (`StepHooks.options`), each read by its
@@ -92,47 +93,46 @@ class LLMEngine:
         `draft_token_ids`: a guess at the output, verified against the model's own greedy
         choices (only the agreeing prefix is kept; greedy requests without penalties only,
         others ignore it); ids must be in the vocabulary, an empty list is no draft, and a
-        draft longer than the request's max_tokens is cut to it. With n or best_of > 1 the
-        request runs as a `SampleGroup` of samples sharing the prompt (`engine/parallel.py`)."""
+        draft longer than the request's max_tokens is cut to it. A request a feature splits
+        (`StepHooks.split`: n or best_of > 1, samples sharing the prompt, `samples/`) runs as
+        several engine requests, returned as a `RequestGroup`."""
         if unknown := sorted(set(options) - self.hooks.options):
             raise TypeError(f"add_request() got unexpected keyword arguments {unknown}")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(sampling_params, len(token_ids))
         sp = sampling_params
-        check_fits(sp, self.config.scheduler, self.kv_manager, len(token_ids), max_tokens)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        ids = sample_ids(request_id, sp.num_sequences)
-        if any(i in self.requests or i in self.groups for i in {request_id, *ids}):
+        new = NewRequest(request_id, sp, token_ids, cache_salt, max_tokens, options=options)
+        runs = self.hooks.split_request(new)  # (id, params) of each engine request
+        if any(i in self.requests for i in {request_id, *(rid for rid, _ in runs)}):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         # Features check the request first (structured outputs, blending) and say how to set
-        # up each sample (their per-request state).
-        setups = self.hooks.run_on_add(NewRequest(sp, token_ids, cache_salt, len(ids), options))
+        # up each of its engine requests (their per-request state).
+        setups = self.hooks.run_on_add(dataclasses.replace(new, num_samples=len(runs)))
         requests = []
-        for i, rid in enumerate(ids):
+        for rid, params in runs:
             request = self.requests[rid] = Request(
                 request_id=rid,
                 prompt=text,
                 prompt_token_ids=token_ids,
-                sampling_params=sp if len(ids) == 1 else sample_params(sp, i),
+                sampling_params=params,
                 max_tokens=max_tokens,
                 detokenizer=IncrementalDetokenizer(self.tokenizer or NullDecoder(), token_ids,
                                                    sp.skip_special_tokens),
                 cache_salt=cache_salt,
                 draft_token_ids=self._draft(draft_token_ids, max_tokens),
-                parent_request_id=None if len(ids) == 1 else request_id,
-                sample_index=i,
             )
             for setup in setups:
                 setup(request)
             requests.append(request)
-        if len(ids) == 1:
-            self.scheduler.add(requests[0])
+        forked = {id(f) for r in requests for f in r.pending_forks}  # they enter with it
+        for request in requests:
+            if id(request) not in forked:
+                self.scheduler.add(request)
+        if [r.request_id for r in requests] == [request_id]:
             return requests[0]
-        group = self.groups.add(request_id, sp, requests, self.kv_manager.can_fork)
-        for request in [requests[0]] if requests[0].pending_forks else requests:
-            self.scheduler.add(request)
-        return group
+        return RequestGroup(request_id, requests)
 
     def _max_tokens(self, sampling_params: SamplingParams, num_prompt_tokens: int) -> int:
         max_len = self.max_model_len
@@ -163,19 +163,18 @@ class LLMEngine:
         return ids[:max_tokens]
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now and free its blocks; unknown or finished ids are ignored. A
-        parallel-sampling request's id stops all its samples, a sample's id (`<id>#<i>`) only
-        that one (the next step reports the request if that finished it)."""
-        group = self.groups.pop(request_id)
-        for request in group.samples if group else [self.requests.get(request_id)]:
-            if request is not None and self.requests.pop(request.request_id, None) is not None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored. The
+        id of a request a feature split stops all its engine requests (`StepHooks.on_abort`:
+        a parallel-sampling request's samples); a sample's id (`<id>#<i>`) only that one (the
+        next step reports the request if that finished it)."""
+        for rid in self.hooks.aborted_ids(request_id):
+            request = self.requests.pop(rid, None)
+            if request is not None:
                 self.scheduler.finish(request, "abort")  # ignores a finished one
-                self.hooks.run_on_finish(request, "abort")
-                if group is None and request.parent_request_id is not None:
-                    self.groups.sample_ended(request)
+                self.pending += self.hooks.run_on_finish(request, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.groups.ready)
+        return self.scheduler.has_unfinished() or bool(self.pending)
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
@@ -185,7 +184,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return outputs of requests that gained tokens or finished."""
         self.hooks.run_before_schedule(self.scheduler.waiting)  # pins lapse, blending, ...
-        ready, self.groups.ready = self.groups.ready, []
+        ready, self.pending = self.pending, []
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return ready
@@ -205,16 +204,10 @@ class LLMEngine:
         for request, reason in finishing:
             self.scheduler.finish(request, reason)
             self.requests.pop(request.request_id, None)
-            self.hooks.run_on_finish(request, reason)
-        outputs, parents = ready, []  # parents: parallel-sampling requests that gained
-        for s, sampled in zip(batch.scheduled, result.samples, strict=True):
-            if sampled is not None and s.request.parent_request_id is not None:
-                parents.append(s.request.parent_request_id)
-            elif sampled is not None:
-                outputs.append(self.make_output(s.request))
-                if not s.request.finished:
-                    self.hooks.run_after_output(s.request)
-        return outputs + self.groups.outputs(parents)
+            self.pending += self.hooks.run_on_finish(request, reason)
+        gained = [s.request for s, sampled in zip(batch.scheduled, result.samples, strict=True)
+                  if sampled is not None]
+        return ready + self.hooks.outputs(gained, self.make_output)
 
     def _append_samples(self, batch: SchedulerOutput,
                         samples: list[Sampled | None]) -> list[tuple[Request, str]]:

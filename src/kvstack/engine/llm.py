@@ -57,7 +57,7 @@ class LLM:
     (GGUF files only) runs the file's own quantized blocks as they are, decode-sized products
     with activations rounded to int8 per 32-value block (approximate; see README).
     `kernels="torch"` turns off the C decode kernels (the reference path). `max_parallel_samples`
-    caps a request's n (best_of); its samples share the prompt's KV blocks (`engine/parallel.py`).
+    caps a request's n (best_of); its samples share the prompt's KV blocks (`samples/`).
     `clock` (default `time.monotonic`) keeps pin deadlines and the Redis tier's retry pause.
 
     Blending (APPROXIMATE, opt-in per call with `blend=BlendParams(...)`): a prompt given as

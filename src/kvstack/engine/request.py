@@ -103,9 +103,10 @@ class Request:
     num_accepted_tokens: int = 0  # of those, the ones the model agreed with
     # Per output token, its `logprobs=k` most likely alternatives (k > 0 only).
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    # Parallel samples (`engine/parallel.py`): the caller's request id and this sample's index
-    # (None: a request of its own), and on the sample that computes the shared prompt, its
-    # siblings still to fork from it once the prompt is computed.
+    # A request a feature split into several (parallel samples, `samples/`): the caller's
+    # request id and this one's index (None: a request of its own), and on the request that
+    # computes the shared prompt, the ones still to fork from it once the prompt is computed
+    # (the scheduler forks them; they are queued with it).
     parent_request_id: str | None = None
     sample_index: int = 0
     pending_forks: list[Request] = field(default_factory=list)
@@ -188,3 +189,16 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """A caller's request that runs as several engine requests (a feature split it:
+    parallel samples), as `LLMEngine.add_request` returns it."""
+
+    request_id: str  # the caller's; each engine request has its own
+    requests: list[Request]
+
+    @property
+    def finished(self) -> bool:
+        return all(r.finished for r in self.requests)

@@ -12,8 +12,8 @@ A waiting request whose next uncached block a running prefill is computing right
 a burst of requests on one new document computes the document once, not once per request
 (SGLang's in-batch prefix caching does the same).
 
-Parallel samples of one prompt (`engine/parallel.py`) enter as one request carrying its
-siblings (`pending_forks`); it is admitted only when all of them fit under `max_num_seqs`.
+Requests that share one prompt (parallel samples, `samples/`) enter as one request carrying
+its siblings (`pending_forks`); it is admitted only when all of them fit under `max_num_seqs`.
 The step that completes its prompt forks them: each shares the prompt's blocks (`fork`) and
 is planned right after it with no new token, to sample from its last logits row.
 """

@@ -1,31 +1,46 @@
-"""Parallel samples of one prompt (`SamplingParams(n=..., best_of=...)`).
-
-A request asking for k = best_of (or n) sequences becomes k engine requests, its samples,
-with ids `<request id>#<i>`. Sample 0 alone computes the prompt; the others wait on it
-(`Request.pending_forks`) and the scheduler forks them in the step that completes the prompt:
-each then shares every prompt block by reference count and samples its first token from the
-same logits row. A sample's first write into the shared, partly filled last block copies that
-block (`KVCacheManager.allocate`); full prompt blocks are never copied. After the fork the
-samples are ordinary requests: each may be preempted (and recomputes through the prefix
-cache), aborted alone, or finish on its own.
-
-Sample i draws with seed `seed + i`, so its tokens are those of a lone request with that seed.
-With best_of > n the n samples of highest cumulative log-probability are returned when all
-have finished (nothing is streamed before); otherwise every step's output carries all n.
-"""
+"""The samples of each parallel-sampling request: their ids and settings, the check that they
+fit, and the one output the caller sees of them (see the package docstring)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from kvstack.config import SchedulerConfig
-from kvstack.engine.request import Request
 from kvstack.errors import CapacityError, InvalidRequestError
 from kvstack.kv.mode import KVCacheMode
-from kvstack.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvstack.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from kvstack.sampling_params import SamplingParams
+
+
+class PromptScores(Protocol):
+    def logprobs(self, k: int) -> PromptLogprobs: ...
+
+
+class Sample(Protocol):
+    """What a group reads of its samples (the engine's `Request`)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt(self) -> str | None: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def num_cached_tokens(self) -> int: ...
+    @property
+    def metrics(self) -> RequestMetrics: ...
+    @property
+    def prompt_scores(self) -> PromptScores | None: ...
+    @property
+    def parent_request_id(self) -> str | None: ...
+    @property
+    def finished(self) -> bool: ...
+
+
+R = TypeVar("R", bound=Sample)
 
 
 def sample_ids(request_id: str, num_sequences: int) -> list[str]:
@@ -82,12 +97,12 @@ def blocks_needed(kv_manager: KVCacheMode, num_prompt_tokens: int, max_tokens: i
 
 
 @dataclass(eq=False)
-class SampleGroup:
+class SampleGroup(Generic[R]):
     """The samples of one request, as the engine tracks them."""
 
     request_id: str
     sampling_params: SamplingParams  # as the caller gave them (n, best_of, seed)
-    samples: list[Request]
+    samples: list[R]
 
     @property
     def finished(self) -> bool:
@@ -147,14 +162,12 @@ def _last(values: list[float | None]) -> float | None:
     return max((v for v in values if v is not None), default=None)
 
 
-class SampleGroups:
-    """The engine's parallel-sampling requests by the caller's id, and the outputs of those an
-    abort of their last running sample finished (the next step returns them)."""
+class SampleGroups(Generic[R]):
+    """The engine's parallel-sampling requests by the caller's id."""
 
-    def __init__(self, completion: Callable[[Request], CompletionOutput]) -> None:
+    def __init__(self, completion: Callable[[R], CompletionOutput]) -> None:
         self._completion = completion
-        self._groups: dict[str, SampleGroup] = {}
-        self.ready: list[RequestOutput] = []
+        self._groups: dict[str, SampleGroup[R]] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._groups
@@ -162,23 +175,18 @@ class SampleGroups:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def add(self, request_id: str, sampling_params: SamplingParams, samples: list[Request],
-            share_prompt: bool) -> SampleGroup:
-        """Track a new group. With `share_prompt` the first sample carries its siblings as
-        forks and is the only one to queue; without (no KV cache) every sample is queued."""
+    def add(self, request_id: str, sampling_params: SamplingParams,
+            samples: list[R]) -> SampleGroup[R]:
         group = self._groups[request_id] = SampleGroup(request_id, sampling_params, samples)
-        if share_prompt:
-            samples[0].pending_forks = samples[1:]
         return group
 
-    def pop(self, request_id: str) -> SampleGroup | None:
+    def pop(self, request_id: str) -> SampleGroup[R] | None:
         return self._groups.pop(request_id, None)
 
-    def sample_ended(self, request: Request) -> None:
-        """A sample was aborted: if that ended its group, its output is ready."""
+    def sample_ended(self, request: R) -> RequestOutput | None:
+        """A sample was aborted: its group's output if that ended the group."""
         group = self._groups.get(request.parent_request_id or "")
-        if group is not None and group.finished:
-            self.ready.append(self.output(group))
+        return self.output(group) if group is not None and group.finished else None
 
     def outputs(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """The outputs of these groups whose samples gained tokens this step: all while they
@@ -186,7 +194,7 @@ class SampleGroups:
         groups = [self._groups[i] for i in dict.fromkeys(request_ids) if i in self._groups]
         return [self.output(g) for g in groups if g.streams or g.finished]
 
-    def output(self, group: SampleGroup) -> RequestOutput:
+    def output(self, group: SampleGroup[R]) -> RequestOutput:
         if group.finished:
             self._groups.pop(group.request_id, None)
         return group.output([self._completion(r) for r in group.samples])
