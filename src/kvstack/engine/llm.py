@@ -26,6 +26,7 @@ from kvstack.engine.info import ModelInfo
 from kvstack.engine.request import Request
 from kvstack.engine.stats import EngineStats
 from kvstack.errors import InvalidRequestError
+from kvstack.kernels.allocator import keep_freed_memory
 from kvstack.kv.snapshot import KVSnapshot
 from kvstack.kv.tiers.base import TierStats
 from kvstack.outputs import RequestOutput
@@ -126,6 +127,7 @@ class LLM:
             quantization=quantization,
             kernels=kernels,
         )
+        keep_freed_memory()  # a step's large temporaries reuse freed memory (kernels/allocator.py)
         self.engine = LLMEngine(config, clock)
 
     @property

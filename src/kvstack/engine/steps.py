@@ -49,6 +49,7 @@ class PagedSteps:
     def __init__(self, model: CausalLM, kv_storage: KVCacheStorage | None) -> None:
         self.kv_storage = kv_storage
         self.use_kernels = getattr(model, "use_kernels", False)
+        self.prefill_dtype = getattr(model, "prefill_dtype", None)
         self.block_size = kv_storage.block_size if kv_storage is not None else 0
         self._block_offsets = np.arange(self.block_size, dtype=np.int64)
         # A lossy cache is read back even by a prefill without a cached prefix (see attention).
@@ -98,7 +99,7 @@ class PagedSteps:
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts)) if slot_parts else None,
             decode_rows=None, decode_slots=None, decode_mask=None, prefills=prefills,
-            use_kernels=self.use_kernels,
+            use_kernels=self.use_kernels, prefill_dtype=self.prefill_dtype,
         )
         if decode_rows:
             lens = np.array([len(c) for c in decode_ctx], dtype=np.int64)

@@ -108,8 +108,8 @@ class GGUFLinear:
         self.kernel = ("gguf_gemv_x8" if self.x8 else "gguf_gemv") if self._lib else None
         self.max_kernel_rows = MAX_KERNEL_ROWS
         # Prefill-sized products in bf16 where PyTorch's bf16 matmul is fast (see the module's
-        # docstring); public so tests can run either path on any CPU.
-        self.bf16_prefill = isa.fast_bf16_matmul()
+        # docstring), never with the kernels off; public so tests can run either path here.
+        self.bf16_prefill = self._lib is not None and isa.fast_bf16_matmul()
         self._dense: torch.Tensor | None = None  # kernels off: the dequantized weight
 
     @classmethod

@@ -63,6 +63,9 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     decode_lens: torch.Tensor | None = None  # [B_d] real keys per decode row (int64)
     use_kernels: bool = False  # the C decode kernel may run (False: PyTorch ops only)
+    # The dtype prefill spans attend in when not q's (quantized weights' bf16 prefill,
+    # `kernels.linear.prefill_attention_dtype`); the cache keeps K/V as written.
+    prefill_dtype: torch.dtype | None = None
     # window -> (decode slots, lens) narrowed to it, filled on first use within the step
     window_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -179,13 +182,14 @@ def _prefill_spans(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                    meta: AttentionMetadata, kv_storage: KVCacheStorage | None,
                    window: int | None, scale: float | None, out: torch.Tensor) -> None:
     """Every prefill span's rows of `out`."""
+    dtype = meta.prefill_dtype or q.dtype
     for span in meta.prefills:
         # 4-D [1, H, q, D] inputs: 3-D ones miss SDPA's fused CPU kernel (5x slower).
-        qs = q[span.start : span.end].transpose(0, 1)[None]
+        qs = q[span.start : span.end].transpose(0, 1)[None].to(dtype)
         num_q = span.end - span.start
         if span.slots is None:
-            ks = k[span.start : span.end].transpose(0, 1)[None]
-            vs = v[span.start : span.end].transpose(0, 1)[None]
+            ks = k[span.start : span.end].transpose(0, 1)[None].to(dtype)
+            vs = v[span.start : span.end].transpose(0, 1)[None].to(dtype)
             if window is None or num_q <= window:
                 os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                      enable_gqa=True)
@@ -205,7 +209,7 @@ def _prefill_spans(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 mask = _position_mask(span.positions, span.context_len, window)
             kc, vc = kv_storage.read(layer, span.slots[first:])
             os_ = F.scaled_dot_product_attention(
-                qs, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
+                qs, kc.transpose(0, 1)[None].to(dtype), vc.transpose(0, 1)[None].to(dtype),
                 attn_mask=mask, scale=scale, enable_gqa=True,
             )
         out[span.start : span.end] = os_[0].transpose(0, 1)

@@ -21,7 +21,7 @@ from kvstack.errors import ModelLoadError, UnsupportedModelError
 from kvstack.kernels import ops as kernel_ops
 from kvstack.kernels.decode_step import DecodeStep, LayerWeights, StepCaches, runs_in_decode_step
 from kvstack.kernels.gguf import GGUFLinear
-from kvstack.kernels.linear import Linear
+from kvstack.kernels.linear import Linear, prefill_attention_dtype
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.layers.attention import AttentionMetadata, LayerHook, StepMetadata, paged_attention
 from kvstack.layers.rope import RotaryEmbedding
@@ -57,6 +57,8 @@ class LlamaForCausalLM:
         # "int8": linear weights (and the LM head) as int8; "gguf": as the file's blocks
         self.quantization = quantization
         self.use_kernels = use_kernels
+        # Where quantized weights take their prefill in bf16 (`prefill_attention_dtype`)
+        self.prefill_dtype: torch.dtype | None = None
         self._step: DecodeStep | None = None
         self._step_for: KVCacheStorage | None = None  # the storage `_step` points into
         self.rope = RotaryEmbedding(
@@ -88,6 +90,10 @@ class LlamaForCausalLM:
             layer.o = build.fused([a + "o_proj.weight"])
             layer.gate_up = build.fused([p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
             layer.down = build.fused([p + "mlp.down_proj.weight"])
+        self.prefill_dtype = prefill_attention_dtype(self.dtype, [
+            part for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up,
+                                                      layer.down)
+            for part in getattr(lin, "parts", [lin])])
 
     @property
     def num_weight_bytes(self) -> int:

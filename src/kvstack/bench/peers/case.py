@@ -52,6 +52,7 @@ from kvstack.bench.peers.workloads import (
 from kvstack.bench.prefix import document
 from kvstack.errors import UnsupportedModelError
 from kvstack.kernels import build
+from kvstack.kernels.allocator import keep_freed_memory
 from kvstack.units import common_prefix_len
 from kvstack.weights import is_gguf_model
 
@@ -94,6 +95,8 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
     formats = engine_formats(options)
     kernels = build.describe()  # raises the one-line error for a forced ISA this CPU lacks
     torch.set_num_threads(options.threads)
+    # Our engines set it when built; set first, transformers (same process) runs under it too.
+    keep_freed_memory()
     # Probed before and after the engines: other jobs' memory traffic lowers a probe, never
     # raises it, so the better of the two is the closer estimate of the bound.
     probes = [measure_read_bandwidth(s.bandwidth_probe_bytes)]
