@@ -1,8 +1,8 @@
-"""The engine's side of drafts, as hooks: a new request's first draft window; a step's fed
-draft checked against the model's greedy choices; after a step samples a request, its draft
-window, counts and the rest of its pending draft; once it goes on, its next prompt-lookup
-draft; once it finishes, its draft dropped; and the totals `EngineStats` reports.
-Registered in `engine/builder.py`.
+"""The engine's side of drafts, as hooks: a new request's first draft window; the draft
+tokens a step feeds (within its room and the window); a step's fed draft checked against the
+model's greedy choices; after a step samples a request, its draft window, counts and the
+rest of its pending draft; once it goes on, its next prompt-lookup draft; once it finishes,
+its draft dropped; and the totals `EngineStats` reports. Registered in `engine/builder.py`.
 """
 
 from __future__ import annotations
@@ -25,16 +25,27 @@ class TrackedRequest(DraftingRequest, Protocol):
 
 
 class DraftTracker:
-    """`lossy_kv_cache`: the window never grows over a lossy cache (see `next_window`)."""
+    """`lossy_kv_cache`: the window never grows over a lossy cache (see `next_window`);
+    `accepts_drafts`: False where the KV mode cannot take back rejected tokens' K/V."""
 
-    def __init__(self, lossy_kv_cache: bool) -> None:
+    def __init__(self, lossy_kv_cache: bool, accepts_drafts: bool = True) -> None:
         self.lossy_kv_cache = lossy_kv_cache
+        self.accepts_drafts = accepts_drafts
         self.num_draft_tokens = 0  # draft tokens verified, and of those accepted
         self.num_accepted_tokens = 0
 
     def on_add(self, new: object) -> Callable[[TrackedRequest], None]:
         """Each new request starts with the first draft window."""
         return _first_window
+
+    def extra_tokens(self, request: TrackedRequest, room: int) -> list[int]:
+        """The draft tokens a step that reaches the end of the request's known tokens feeds
+        after them: at most `room` (the step's budget, the request's max_tokens) and its
+        window; none where the request cannot verify them (`verifies_drafts`)."""
+        if (not request.draft_token_ids or not self.accepts_drafts
+                or not request.sampling_params.verifies_drafts):
+            return []
+        return request.draft_token_ids[:min(room, request.draft_window)]
 
     def verify(self, logits: torch.Tensor, draft: list[int]) -> tuple[list[int], int]:
         """The draft checked against the model's greedy choices (`verify_greedy`): the tokens

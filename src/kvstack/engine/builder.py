@@ -119,8 +119,10 @@ def register_features(parts: EngineParts, config: EngineConfig, clock: Clock) ->
     hooks.on_add.append(_blend_setup(parts.blender))
     hooks.on_add.append(_scoring_setup(block_size, parts.tokenizer))
     hooks.options |= {"blend", "num_scored"}
-    drafts = DraftTracker(parts.kv_storage is not None and parts.kv_storage.lossy)
+    drafts = DraftTracker(parts.kv_storage is not None and parts.kv_storage.lossy,
+                          parts.kv_manager.accepts_drafts)
     hooks.on_add.append(drafts.on_add)
+    hooks.extra_tokens = drafts.extra_tokens
     hooks.verify_drafts = drafts.verify
     hooks.after_sampling.append(drafts.after_sampling)
     hooks.after_output.append(drafts.after_output)

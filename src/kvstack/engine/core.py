@@ -55,10 +55,10 @@ class LLMEngine:
             kv_sink_tokens=config.cache.kv_sink_tokens if config.cache.kv_window else 0,
         )
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         assert parts.steps is not None and parts.tier_control is not None  # build_engine's
         self.tier_control = parts.tier_control
         self.hooks = parts.hooks  # optional features' hook points (`engine/hooks.py`)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.hooks.feed)
         self.runner = ModelRunner(self.model, self.kv_storage, Sampler(), parts.steps,
                                   self.hooks)
         self.requests: dict[str, Request] = {}

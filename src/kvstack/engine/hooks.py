@@ -4,9 +4,10 @@
 split a request, check that it fits and report their outputs as one; structured outputs,
 blending, scoring and drafts when a request is added; structured outputs before a step runs;
 blending's chunk lookups before scheduling and its row filter in the layer loop; drafts'
-verification in the runner, after sampling and after output; structured outputs, drafts and
-parallel samples when a request finishes or is aborted). A new feature adds a callable to a
-list; `LLMEngine` and `ModelRunner.run` call every one in order.
+tokens to feed in the scheduler, their verification in the runner, and drafts after
+sampling and after output; structured outputs, drafts and parallel samples when a request
+finishes or is aborted). A new feature adds a callable to a list; `LLMEngine`, the
+scheduler and `ModelRunner.run` call every one in order.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstack.engine.request import Request
-from kvstack.engine.scheduler import ScheduledRequest
+from kvstack.engine.scheduler import ExtraTokens, ScheduledRequest
 from kvstack.layers.attention import LayerHook, StepMetadata
 from kvstack.outputs import RequestOutput
 from kvstack.sampling_params import SamplingParams
@@ -83,6 +84,9 @@ class StepHooks:
     before_schedule: list[BeforeSchedule] = field(default_factory=list)
     before_run: list[BeforeRun] = field(default_factory=list)
     layer: list[LayerPlanner] = field(default_factory=list)
+    # The one source of tokens fed after a request's known ones (drafts'); the scheduler asks
+    # it per request whose step reaches the end of its known tokens, with the room left.
+    extra_tokens: ExtraTokens | None = None
     # The one verifier of fed draft tokens (drafts'); the runner calls it per drafting request.
     verify_drafts: VerifyDrafts | None = None
     after_sampling: list[AfterSampling] = field(default_factory=list)
@@ -120,6 +124,9 @@ class StepHooks:
             if (hook := planner(scheduled, positions, meta)) is not None:
                 return hook
         return None
+
+    def feed(self, request: Request, room: int) -> list[int]:
+        return self.extra_tokens(request, room) if self.extra_tokens is not None else []
 
     def verify(self, logits: torch.Tensor, draft: list[int]) -> tuple[list[int], int]:
         if self.verify_drafts is None:

@@ -21,6 +21,7 @@ is planned right after it with no new token, to sample from its last logits row.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstack.config import SchedulerConfig
@@ -53,6 +54,15 @@ class ScheduledRequest:
         return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + self.num_draft_tokens
 
 
+# The tokens to feed after a request's known ones, at most `room`, in a step that reaches
+# their end (`StepHooks.extra_tokens`: drafts, which the step verifies); [] feeds none.
+ExtraTokens = Callable[[Request, int], list[int]]
+
+
+def no_extra_tokens(request: Request, room: int) -> list[int]:
+    return []
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -65,11 +75,14 @@ class SchedulerOutput:
 
 class Scheduler:
     """Continuous batching with chunked prefill over a KV mode (`kv/mode.py`), whichever it
-    is. The scheduler alone advances a request's `num_computed_tokens`."""
+    is. The scheduler alone advances a request's `num_computed_tokens`. `extra_tokens` says
+    what to feed after a request's known tokens (drafts), where a step has room for them."""
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheMode) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheMode,
+                 extra_tokens: ExtraTokens = no_extra_tokens) -> None:
         self.config = config
         self.kv_manager = kv_manager
+        self.extra_tokens = extra_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.step_index = 0
@@ -96,22 +109,22 @@ class Scheduler:
             num_new = self._fit(request, request.num_computed_tokens, budget, out)
             if num_new == 0:
                 continue
-            drafts = self._drafts(request, request.num_computed_tokens, num_new, budget)
-            if drafts and self.kv_manager.allocate(request, num_new + len(drafts)):
-                pass  # room for the drafts too, without preempting anyone for them
+            extra = self._extra(request, request.num_computed_tokens, num_new, budget)
+            if extra and self.kv_manager.allocate(request, num_new + len(extra)):
+                pass  # room for the extra tokens too, without preempting anyone for them
             elif self._allocate_or_preempt(request, num_new, out):
-                drafts = []
+                extra = []
             else:
                 continue
-            self._schedule_one(out, request, num_new, drafts)
-            budget -= num_new + len(drafts)
+            self._schedule_one(out, request, num_new, extra)
+            budget -= num_new + len(extra)
         if out.num_preempted == 0:
             self._admit_waiting(out, budget)
         return out
 
     def _schedule_one(self, out: SchedulerOutput, request: Request, num_new: int,
-                      drafts: list[int]) -> None:
-        planned = self._plan(request, num_new, drafts)
+                      extra: list[int]) -> None:
+        planned = self._plan(request, num_new, extra)
         out.scheduled.append(planned)
         if request.pending_forks and planned.samples:
             self._fork(request, request.num_computed_tokens + num_new, out)
@@ -132,9 +145,9 @@ class Scheduler:
         """Running sequences, counting the siblings running requests will fork."""
         return len(self.running) + sum(len(r.pending_forks) for r in self.running)
 
-    def _plan(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new + len(drafts),
-                                self.kv_manager.blocks_of(request.request_id), drafts)
+    def _plan(self, request: Request, num_new: int, extra: list[int]) -> ScheduledRequest:
+        return ScheduledRequest(request, num_new + len(extra),
+                                self.kv_manager.blocks_of(request.request_id), extra)
 
     def _fit(self, request: Request, start: int, budget: int, out: SchedulerOutput) -> int:
         """New tokens from `start` this step: what is left of the prompt (or one decode token)
@@ -150,17 +163,14 @@ class Scheduler:
                     and p.is_region_step(s.request.num_computed_tokens) for s in out.scheduled)
         return plan.fit(start, num_new, rest, taken)
 
-    def _drafts(self, request: Request, start: int, num_new: int, budget: int) -> list[int]:
-        """The request's draft tokens that fit this step: only when the step reaches the end
-        of its known tokens, within the token budget, the chunk cap and its max_tokens (the
+    def _extra(self, request: Request, start: int, num_new: int, budget: int) -> list[int]:
+        """The extra tokens (`extra_tokens`) that fit this step: only when the step reaches the
+        end of the request's known tokens, within the token budget and its max_tokens (the
         model's own next token comes on top of the accepted ones)."""
-        if (not request.draft_token_ids or not self.kv_manager.accepts_drafts
-                or start + num_new != request.num_tokens
-                or not request.sampling_params.verifies_drafts):
+        if start + num_new != request.num_tokens:
             return []
-        room = min(budget - num_new, request.max_tokens - len(request.output_token_ids) - 1,
-                   request.draft_window)
-        return request.draft_token_ids[:max(room, 0)]
+        room = min(budget - num_new, request.max_tokens - len(request.output_token_ids) - 1)
+        return self.extra_tokens(request, max(room, 0))
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv_manager.allocate(request, num_new):
@@ -206,9 +216,9 @@ class Scheduler:
             num_new = self._fit(request, hit.num_tokens, budget, out)
             if num_new == 0:
                 break
-            drafts = self._drafts(request, hit.num_tokens, num_new, budget)
-            if not (drafts and kv.allocate(request, num_new + len(drafts), hit)):
-                drafts = []
+            extra = self._extra(request, hit.num_tokens, num_new, budget)
+            if not (extra and kv.allocate(request, num_new + len(extra), hit)):
+                extra = []
                 if not kv.allocate(request, num_new, hit):
                     break
             self.waiting.popleft()
@@ -221,8 +231,8 @@ class Scheduler:
                 kv.record_query(request, hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._schedule_one(out, request, num_new, drafts)
-            budget -= num_new + len(drafts)
+            self._schedule_one(out, request, num_new, extra)
+            budget -= num_new + len(extra)
             in_flight |= self._blocks_in_flight([request])
         self.waiting.extendleft(reversed(deferred))
 
