@@ -65,7 +65,8 @@ def prefill_attention_dtype(dtype: torch.dtype,
     for the product only; the KV cache keeps the K/V the decode steps read. Models without
     such a layer (fp32 and bf16 weights, a GGUF file of float weights, the reference path)
     attend in the model dtype."""
-    if dtype == torch.float32 and any(getattr(lin, "bf16_prefill", False) for lin in linears):
+    parts = (part for lin in linears for part in getattr(lin, "parts", [lin]))  # ConcatLinear
+    if dtype == torch.float32 and any(getattr(part, "bf16_prefill", False) for part in parts):
         return torch.bfloat16
     return None
 

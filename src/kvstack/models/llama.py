@@ -57,8 +57,6 @@ class LlamaForCausalLM:
         # "int8": linear weights (and the LM head) as int8; "gguf": as the file's blocks
         self.quantization = quantization
         self.use_kernels = use_kernels
-        # Where quantized weights take their prefill in bf16 (`prefill_attention_dtype`)
-        self.prefill_dtype: torch.dtype | None = None
         self._step: DecodeStep | None = None
         self._step_for: KVCacheStorage | None = None  # the storage `_step` points into
         self.rope = RotaryEmbedding(
@@ -90,10 +88,8 @@ class LlamaForCausalLM:
             layer.o = build.fused([a + "o_proj.weight"])
             layer.gate_up = build.fused([p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
             layer.down = build.fused([p + "mlp.down_proj.weight"])
-        self.prefill_dtype = prefill_attention_dtype(self.dtype, [
-            part for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up,
-                                                      layer.down)
-            for part in getattr(lin, "parts", [lin])])
+        self.prefill_dtype = prefill_attention_dtype(self.dtype, (  # engine/steps.py reads it
+            lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)))
 
     @property
     def num_weight_bytes(self) -> int:
