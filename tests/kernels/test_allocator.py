@@ -10,14 +10,14 @@ import sys
 import pytest
 
 # A fresh process per setting (mallopt is process-wide): a 48 MB and a 4 MB block allocated,
-# written and freed six times; the minor page faults of each round.
+# written and freed ten times; the minor page faults of each round.
 _ROUNDS = """
 import json, resource, sys, torch
 if sys.argv[1] == "keep":
     from kvstack.kernels.allocator import keep_freed_memory
     assert keep_freed_memory()
 counts = []
-for _ in range(6):
+for _ in range(10):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = torch.empty(12 << 20).fill_(1.0)
     y = torch.empty(1 << 20).fill_(2.0)
@@ -38,9 +38,11 @@ def _faults(mode: str) -> list[int]:
 def test_freed_blocks_are_reused_instead_of_faulted_in_again() -> None:
     kept, default = _faults("keep"), _faults("default")
     assert kept[0] >= _PAGES * 0.9 and default[0] >= _PAGES * 0.9  # the first round faults
-    # glibc's default maps a 48 MB block afresh every round; kept, later rounds reuse it
-    assert sum(default[1:]) >= 4 * _PAGES
-    assert sum(kept[1:]) <= _PAGES // 4
+    # glibc's default maps a 48 MB block afresh every round. Kept, the heap grows for the
+    # first rounds (1-4 of them, by where the small block landed) until its free lists hold a
+    # 48 MB block; from then on every round reuses it.
+    assert sum(default[-3:]) >= 2.5 * _PAGES
+    assert sum(kept[-3:]) <= _PAGES // 4
 
 
 def test_it_is_done_once_per_process() -> None:

@@ -179,13 +179,16 @@ def reference() -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kv_dtype", "floor"), [("int8", 0.5), ("fp8", 0.4), ("int4", 0.15)])
+@pytest.mark.parametrize(("kv_dtype", "floor"), [("int8", 0.5), ("fp8", 0.3), ("int4", 0.15)])
 def test_greedy_agreement_with_the_float32_cache(
     reference: list[list[int]], kv_dtype: str, floor: float
 ) -> None:
     """8 chat prompts x 48 greedy tokens (quality.AGREEMENT_PROMPTS), counted up to each
-    prompt's first divergence. Measured: int8 0.71 (5 of 8 identical), fp8 0.57 (2 of 8),
-    int4 0.31 (1 of 8); bfloat16 0.97. A broken scale or slot mapping drops to ~0.05.
+    prompt's first divergence. Measured (AMD EPYC): int8 0.71 (5 of 8 identical), fp8 0.57
+    (2 of 8), int4 0.31 (1 of 8); bfloat16 0.97. On an Intel Xeon (AVX-512, AMX) fp8 measured
+    0.35 (1 of 8) with either kernel build, and 0.35 on the commit before this session's
+    changes too: which near-ties flip follows the CPU's matmul. A broken scale or slot mapping
+    drops to ~0.05.
     (Greedy agreement is chaotic: one flipped near-tie ends a prompt's count; perplexity,
     `kvstack eval kv`, is the steadier measure.)"""
     ours = greedy_outputs(embedded(kv_cache_dtype=kv_dtype), max_tokens=48)

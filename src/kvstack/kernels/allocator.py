@@ -12,7 +12,9 @@ of the embedded model 1,074 -> 1,269 tok/s (int8 weights), 753 -> 791 (fp32).
 `keep_freed_memory()` raises both thresholds (`mallopt`), so freed blocks below `LIMIT` go
 back to malloc's free lists for the next step. The process then keeps up to its peak heap (as
 PyTorch's caching allocators do on GPUs). It changes where memory comes from, never a value.
-Where the C library is not glibc it does nothing and says so.
+Where the C library is not glibc it does nothing and returns False. The heap grows for the
+first few steps until its free lists hold blocks of the sizes a step asks for; from then on
+they are reused.
 """
 
 from __future__ import annotations
