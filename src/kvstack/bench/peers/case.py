@@ -135,7 +135,7 @@ def _load_engines(subject: Subject, options: BenchOptions, work: Workloads,
             return
         try:
             runners[key] = make()
-        except UnsupportedModelError as err:  # e.g. a Gemma 3 file refuses native GGUF
+        except UnsupportedModelError as err:  # a format this model file cannot run
             engines[key] = {"skipped": str(err)}
             return
         engines[key] = runners[key].info
