@@ -33,6 +33,21 @@ def as_blocks(info: gguf.ReaderTensor) -> GGUFLinear | None:
         return None
 
 
+def take_blocks(info: gguf.ReaderTensor, hf_name: str, blocks: dict[str, GGUFLinear],
+                fallbacks: list[tuple[str, str]]) -> bool:
+    """Put a linear weight a kernel runs into `blocks` (True); a linear weight without one is
+    recorded in `fallbacks` (for `notice_fallbacks`) and, like any other tensor, left to the
+    caller to dequantize (False)."""
+    if not is_linear_weight(hf_name):
+        return False
+    lin = as_blocks(info)
+    if lin is None:
+        fallbacks.append((info.name, info.tensor_type.name))
+        return False
+    blocks[hf_name] = lin
+    return True
+
+
 def notice_fallbacks(fallbacks: Iterable[tuple[str, str]], path: Path) -> None:
     """One line naming the weights dequantized because no GGUF kernel runs their type."""
     by_type: dict[str, int] = {}

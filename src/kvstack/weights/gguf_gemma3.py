@@ -29,7 +29,7 @@ from kvstack.weights.checkpoint import (
     fingerprint_files,
     model_config_from_hf,
 )
-from kvstack.weights.gguf_blocks import as_blocks, is_linear_weight, notice_fallbacks
+from kvstack.weights.gguf_blocks import notice_fallbacks, take_blocks
 from kvstack.weights.gguf_read import dequantize_tensor, gguf_value, required_value
 
 ARCH = "gemma3"
@@ -74,15 +74,11 @@ def load_gemma3_gguf(reader: gguf.GGUFReader, path: Path, keep_blocks: bool = Fa
     config = model_config_from_hf(hf_config, path)
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, GGUFLinear] = {}
-    fallbacks = []
+    fallbacks: list[tuple[str, str]] = []
     for name, info in infos.items():
         hf_name = gemma3_hf_name(name, path)
-        if keep_blocks and is_linear_weight(hf_name):
-            lin = as_blocks(info)
-            if lin is not None:
-                blocks[hf_name] = lin
-                continue
-            fallbacks.append((name, info.tensor_type.name))
+        if keep_blocks and take_blocks(info, hf_name, blocks, fallbacks):
+            continue
         tensor = dequantize_tensor(info, path)
         if name.endswith("norm.weight"):
             tensor = tensor - 1.0  # stored as 1 + w; fp32 as transformers computes it

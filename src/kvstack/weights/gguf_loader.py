@@ -20,7 +20,7 @@ from kvstack.weights.checkpoint import (
     fingerprint_files,
     model_config_from_hf,
 )
-from kvstack.weights.gguf_blocks import as_blocks, is_linear_weight, notice_fallbacks, unpermute_qk
+from kvstack.weights.gguf_blocks import notice_fallbacks, take_blocks, unpermute_qk
 from kvstack.weights.gguf_gemma3 import load_gemma3_gguf
 from kvstack.weights.gguf_read import (
     check_tensor_types,
@@ -94,17 +94,13 @@ def load_gguf(path: Path, keep_blocks: bool = False) -> Checkpoint:
 
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, GGUFLinear] = {}
-    fallbacks = []
+    fallbacks: list[tuple[str, str]] = []
     for name, info in infos.items():
         if name == _ROPE_FREQS:  # folded into hf_config["rope_scaling"]
             continue
         hf_name = _hf_name(name, path)
-        if keep_blocks and is_linear_weight(hf_name):
-            lin = as_blocks(info)
-            if lin is not None:
-                blocks[hf_name] = lin
-                continue
-            fallbacks.append((name, info.tensor_type.name))
+        if keep_blocks and take_blocks(info, hf_name, blocks, fallbacks):
+            continue
         tensors[hf_name] = dequantize_tensor(info, path)
     notice_fallbacks(fallbacks, path)
     check_tensors({**tensors, **blocks}, config, path)
