@@ -61,7 +61,7 @@ LLAMA_CMAKE_NO_AMX := -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-i
 # llama.cpp as a peer: llama-cpp-python compiles llama.cpp on install (about 8 minutes), so
 # only this target installs it, never `make test`.
 bench-peers: $(STAMP)
-	CMAKE_ARGS="$(LLAMA_CMAKE_NO_AMX)" $(BIN)/pip install -q -e '.[llamacpp]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_NO_AMX)" $(BIN)/pip install -q --no-cache-dir -e '.[llamacpp]'
 	$(BIN)/kvstack bench peers --out bench-results
 	$(BIN)/kvstack bench report --out bench-results
 

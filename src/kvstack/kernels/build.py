@@ -31,7 +31,7 @@ from kvstack.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("gemv.c", "ops.c", "gguf.c", "gguf_x8.c")
+SOURCES = ("gemv.c", "ops.c", "gguf.c", "gguf_x8.c", "gemma_step.c")
 # included by the sources from their own folder; part of the cache key
 HEADERS = ("avx2.h", "half.h")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -73,6 +73,16 @@ _PLAIN = {
     # type, x, rows, k, w (x8 layout), n, bias, y, threads
     "gguf_gemv_x8": ([_INT, _P, _I64, _I64, _P, _I64, _P, _P, _INT], _INT),
     "gguf_x8_supported": ([_INT], _INT),
+    # dims, layers, views, h, rows, cos, sin, threads
+    "gemma_decode_step": ([_P, _P, _P, _P, _I64, _P, _P, _INT], _INT),
+    # x, count, d, w, eps, out
+    "gemma_norm_f32": ([_P, _I64, _I64, _P, _F32, _P], None),
+    # h, y, rows, d, w, eps
+    "gemma_add_norm_f32": ([_P, _P, _I64, _I64, _P, _F32], None),
+    # gate_up, rows, inter, out
+    "gemma_gelu_mul_f32": ([_P, _I64, _I64, _P], None),
+    # qkv, rows, stride, heads, kv_heads, dim, q_norm, k_norm, eps, cos, sin
+    "gemma_qk_norm_rope_f32": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _F32, _P, _P], None),
     # type, src, n, k, dst
     "gguf_x8_pack": ([_INT, _P, _I64, _I64, _P], _INT),
     # type, w, n, k, ids, count, out

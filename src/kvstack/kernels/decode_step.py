@@ -29,13 +29,14 @@ _GGUF_X8_KIND = 200  # + the ggml type: x8-packed GGUF blocks through gguf_gemv_
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-class _Lin(ctypes.Structure):
+class LinEntry(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("kind", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin),
+    _fields_ = [("qkv", LinEntry), ("o", LinEntry), ("gate_up", LinEntry),
+                ("down", LinEntry),
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("kv_scale", ctypes.c_void_p)]
@@ -105,14 +106,15 @@ def runs_in_decode_step(lin: object) -> bool:
     return isinstance(lin, (Linear, GGUFLinear)) and lin.kernel is not None
 
 
-def _lin(lin: Linear | GGUFLinear) -> _Lin:
+def lin_entry(lin: Linear | GGUFLinear) -> LinEntry:
+    """A linear layer as the C steps' table entry (ops.c's Lin)."""
     assert lin.kernel is not None
     if isinstance(lin, GGUFLinear):
-        return _Lin(lin.blocks.data_ptr(), None,
+        return LinEntry(lin.blocks.data_ptr(), None,
                     lin.bias32.data_ptr() if lin.bias32 is not None else None,
                     lin.out_features, lin.in_features,
                     (_GGUF_X8_KIND if lin.x8 else _GGUF_KIND) + int(lin.qtype))
-    return _Lin(lin.weight.data_ptr(),
+    return LinEntry(lin.weight.data_ptr(),
                 lin.scale.data_ptr() if lin.scale is not None else None,
                 lin.bias32.data_ptr() if lin.bias32 is not None else None,
                 lin.out_features, lin.in_features, _KINDS[lin.kernel])
@@ -133,8 +135,8 @@ class DecodeStep:
                            head_dim**-0.5, caches.kv_kind, int(caches.rotate))
         table = (_Layer * len(layers))()
         for entry, layer, (first, second) in zip(table, layers, caches.layers, strict=True):
-            entry.qkv, entry.o = _lin(layer.qkv), _lin(layer.o)
-            entry.gate_up, entry.down = _lin(layer.gate_up), _lin(layer.down)
+            entry.qkv, entry.o = lin_entry(layer.qkv), lin_entry(layer.o)
+            entry.gate_up, entry.down = lin_entry(layer.gate_up), lin_entry(layer.down)
             entry.input_norm, entry.post_norm = (layer.input_norm.data_ptr(),
                                                  layer.post_norm.data_ptr())
             entry.k_cache = first.data_ptr()

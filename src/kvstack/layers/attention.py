@@ -69,6 +69,13 @@ class AttentionMetadata:
     # window -> (decode slots, lens) narrowed to it, filled on first use within the step
     window_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
+    def decodes_only(self, num_rows: int) -> bool:
+        """Every row of the step is one sequence's next token, in row order, over a cache
+        (what the models' one-call decode steps take)."""
+        rows = self.decode_rows
+        return (rows is not None and not self.prefills and rows.numel() == num_rows
+                and self.decode_lens is not None and self.slot_mapping is not None)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_storage: KVCacheStorage | None, window: int | None,
                scale: float | None) -> torch.Tensor:
@@ -282,7 +289,7 @@ def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: Attenti
     only_decodes = not meta.prefills and rows.numel() == q.shape[0]
     qd = (q if only_decodes else q[rows]).contiguous()
     if window is not None:
-        slots, lens = _window_slots(meta, window)
+        slots, lens = window_slots(meta, window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if quantized is not None:  # q and the output in the model's basis: the kernel turns them
         od = kernel_ops.decode_attention_quant(qd, *quantized, kv_storage.basis is not None,
@@ -297,7 +304,7 @@ def _decode_kernel(layer: int, q: torch.Tensor, out: torch.Tensor, meta: Attenti
     return True
 
 
-def _window_slots(meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def window_slots(meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each decode row's last `window` slots, left-aligned, and their counts: built once per
     step and window (every sliding layer of the step shares them)."""
     cached = meta.window_slots.get(window)

@@ -8,23 +8,39 @@ SDPA. The linear layers are built as Llama's are (`models/linears.py`): a `Linea
 model dtype or int8, or with `quantization="gguf"` a `GGUFLinear` on the file's own blocks
 (q/k/v of different types, as the 270M's Q5_0 q/k and Q8_0 v, a `ConcatLinear`); decode-sized
 products take the C kernels when `use_kernels`, PyTorch's matmul otherwise. A tied GGUF table
-is the LM head and serves embedding lookups too (rows dequantized per token). Llama's
-one-call decode step (all layers in C) is not used: its norms and activation are Llama's.
+is the LM head and serves embedding lookups too (rows dequantized per token). A float32
+model's steps of decodes only over a plain float32 cache run every layer in one C call
+(`kernels/gemma_step.py`), which agrees with the per-op path to float32 rounding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from kvstack.config import ModelConfig
 from kvstack.errors import UnsupportedModelError
+from kvstack.kernels import ops as kernel_ops
+from kvstack.kernels.gemma_step import (
+    GemmaDecodeStep,
+    GemmaLayerWeights,
+    GemmaOps,
+    step_supported,
+)
 from kvstack.kernels.gguf import GGUFLinear
 from kvstack.kernels.linear import Linear
 from kvstack.kv.storage.base import KVCacheStorage
-from kvstack.layers.attention import LayerHook, StepMetadata, paged_attention
+from kvstack.layers.attention import (
+    AttentionMetadata,
+    GroupedMetadata,
+    LayerHook,
+    StepMetadata,
+    paged_attention,
+    window_slots,
+)
 from kvstack.layers.rope import inv_frequencies
 from kvstack.models.base import ModelFamily
 from kvstack.models.gemma3_config import (
@@ -99,6 +115,10 @@ class Gemma3ForCausalLM:
         self.embed: torch.Tensor | GGUFLinear | None
         self.final_norm: torch.Tensor
         self.lm_head: AnyLinear
+        self._step: GemmaDecodeStep | None = None
+        self._step_for: tuple[int, tuple[int, ...]] | None = None  # (storage id, places)
+        self._step_keep: KVCacheStorage | None = None  # the storage `_step` points into
+        self._gemma_ops: GemmaOps | None = None
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor],
                      blocks: Mapping[str, GGUFLinear] | None = None) -> None:
@@ -156,14 +176,23 @@ class Gemma3ForCausalLM:
                 kv_storage: KVCacheStorage | None,
                 hook: LayerHook | None = None) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm);
-        `hook` may keep only some rows after a layer's Q/K/V (`LayerHook`)."""
+        `hook` may keep only some rows after a layer's Q/K/V (`LayerHook`). Decode-sized
+        float32 steps take the C loops (`kernels/gemma_step.py`), a step of decodes only all
+        layers in one call; the rest PyTorch's ops."""
         c = self.config
         eps = c.rms_norm_eps
         h = self._embed(input_ids)
+        c_ops = self._c_ops(input_ids.shape[0], meta, hook)
+        if c_ops is not None and self._run_decode_step(h, positions, meta, kv_storage):
+            return gemma_rms_norm(h, self.final_norm, eps)
         rope = {t: _cos_sin(positions, f, self.dtype) for t, f in self.inv_freq.items()}
         for i, layer in enumerate(self.layers):
+            cos_sin = rope[c.layer_types[i]]
+            if c_ops is not None:
+                self._c_layer(c_ops, i, h, cos_sin, meta, kv_storage)
+                continue
             x = gemma_rms_norm(h, layer.input_norm, eps)
-            q, k, v = self._qkv(layer, x, rope[c.layer_types[i]])
+            q, k, v = self._qkv(layer, x, cos_sin)
             if hook is not None and (rows := hook.after_qkv(i, q, k, v, kv_storage)) is not None:
                 h, q, k, v, meta = h[rows], q[rows], k[rows], v[rows], hook.meta
                 rope = {t: (cos[rows], sin[rows]) for t, (cos, sin) in rope.items()}
@@ -176,6 +205,84 @@ class Gemma3ForCausalLM:
             h = h + gemma_rms_norm(layer.down(gated), layer.post_ffw_norm, eps)
         h = gemma_rms_norm(h, self.final_norm, eps)
         return hook.finish(h) if hook is not None else h
+
+    def _c_ops(self, num_rows: int, meta: StepMetadata, hook: LayerHook | None
+               ) -> GemmaOps | None:
+        """The C loops for a decode-sized float32 step with kernels on; None: PyTorch's ops."""
+        if (not self.use_kernels or self.dtype != torch.float32 or hook is not None
+                or num_rows > self.lm_head.max_kernel_rows
+                or _layer_metas(meta, len(self.layers)) is None
+                or not kernel_ops.available(self.dtype)):
+            return None
+        if self._gemma_ops is None:
+            self._gemma_ops = GemmaOps()
+        return self._gemma_ops
+
+    def _c_layer(self, ops: GemmaOps, i: int, h: torch.Tensor,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata,
+                 kv_storage: KVCacheStorage | None) -> None:
+        """Layer i on h [T, hidden] in place through the C loops, in the one-call step's
+        order (gemma_step.c), so that a row gets the same bits either way."""
+        c, layer = self.config, self.layers[i]
+        eps, d, num_t = c.rms_norm_eps, c.head_dim, h.shape[0]
+        qkv = layer.qkv(ops.norm(h, layer.input_norm, eps)).contiguous()
+        cos, sin = (t.reshape(num_t, d).contiguous() for t in cos_sin)
+        ops.qk_norm_rope_(qkv, c.num_heads, c.num_kv_heads, d, layer.q_norm, layer.k_norm, eps,
+                          cos, sin)
+        q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        attn = paged_attention(i, q.unflatten(-1, (c.num_heads, d)),
+                               k.unflatten(-1, (c.num_kv_heads, d)),
+                               v.unflatten(-1, (c.num_kv_heads, d)), meta, kv_storage,
+                               window=self.windows[i], scale=self.attn_scale)
+        ops.add_norm_(h, layer.o(attn.reshape(num_t, -1).contiguous()), layer.post_attn_norm,
+                      eps)
+        gated = ops.gelu_mul(layer.gate_up(ops.norm(h, layer.pre_ffw_norm, eps)).contiguous())
+        ops.add_norm_(h, layer.down(gated).contiguous(), layer.post_ffw_norm, eps)
+
+    def _run_decode_step(self, h: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
+                         kv_storage: KVCacheStorage | None) -> bool:
+        """A step of decodes only, every layer in one C call (`kernels/gemma_step.py`), h
+        turned in place into the last residual stream; False where the step does not apply
+        (kernels off, not float32, other caches, prefill rows)."""
+        if kv_storage is None or kv_storage.basis is not None:
+            return False
+        metas = _layer_metas(meta, len(self.layers))
+        if metas is None or not all(m.use_kernels and m.decodes_only(h.shape[0])
+                                    for _, m in metas):
+            return False
+        step = self._decode_step(kv_storage, tuple(place for place, _ in metas))
+        if step is None:
+            return False
+        views = []
+        for (_, m), window in zip(metas, self.windows, strict=True):
+            assert m.slot_mapping is not None and m.decode_slots is not None
+            assert m.decode_lens is not None
+            slots, lens = ((m.decode_slots, m.decode_lens) if window is None
+                           else window_slots(m, window))
+            views.append((m.slot_mapping, slots.contiguous(), lens.contiguous()))
+        cos, sin = zip(*(_cos_sin(positions, self.inv_freq[t], self.dtype)
+                         for t in (SLIDING, FULL)), strict=True)
+        step(h, torch.stack(cos).squeeze(2).contiguous(),
+             torch.stack(sin).squeeze(2).contiguous(), views)
+        return True
+
+    def _decode_step(self, kv_storage: KVCacheStorage, places: tuple[int, ...]
+                     ) -> GemmaDecodeStep | None:
+        """The one-call step over this storage and layer placement, built on first use; None
+        where a cache is not plain float32 or a product has no kernel."""
+        key = (id(kv_storage), places)
+        if self._step_for != key:
+            caches = [kv_storage.layer_tensors(p) for p in places]
+            plain = [t for t in caches if t is not None and t[0].dtype == torch.float32]
+            layers = cast(Sequence[GemmaLayerWeights], self.layers)
+            c = self.config
+            self._step = GemmaDecodeStep(
+                layers, plain, [t == FULL for t in c.layer_types], c.hidden_size, c.num_heads,
+                c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps,
+                c.head_dim**-0.5 if self.attn_scale is None else self.attn_scale,
+            ) if len(plain) == len(places) and step_supported(layers) else None
+            self._step_for, self._step_keep = key, kv_storage
+        return self._step
 
     def _qkv(self, layer: _Layer, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -193,6 +300,17 @@ class Gemma3ForCausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows that sample) -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+
+def _layer_metas(meta: StepMetadata, num_layers: int
+                 ) -> list[tuple[int, AttentionMetadata]] | None:
+    """Per layer, its storage place and its block tables' metadata (a hybrid layout's groups,
+    or one table for all); None for the approximate window mode."""
+    if isinstance(meta, GroupedMetadata):
+        return meta.layers
+    if isinstance(meta, AttentionMetadata):
+        return [(i, meta) for i in range(num_layers)]
+    return None
 
 
 GEMMA3 = register(ModelFamily(

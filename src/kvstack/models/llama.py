@@ -139,7 +139,7 @@ class LlamaForCausalLM:
                 and kernel_ops.available(self.dtype)):
             h = h.contiguous()
             cos, sin = self.rope.cos[positions], self.rope.sin[positions]  # fp32 [T, D]
-            step = self._decode_step(kv_storage) if _decodes_only(meta, h.shape[0]) else None
+            step = self._decode_step(kv_storage) if meta.decodes_only(h.shape[0]) else None
             if step is not None:
                 assert meta.slot_mapping is not None and meta.decode_slots is not None
                 assert meta.decode_lens is not None
@@ -267,13 +267,6 @@ class _KernelOps(_Ops):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return kernel_ops.silu_mul(gate_up)
-
-
-def _decodes_only(meta: AttentionMetadata, num_rows: int) -> bool:
-    """Every row of the step is one sequence's next token, in row order."""
-    rows = meta.decode_rows
-    return (rows is not None and not meta.prefills and rows.numel() == num_rows
-            and meta.decode_lens is not None and meta.slot_mapping is not None)
 
 
 def _nbytes(t: torch.Tensor) -> int:
