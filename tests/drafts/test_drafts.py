@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvstack import LLM, SamplingParams
 from kvstack.drafts.prompt_lookup import lookup
+from kvstack.drafts.state import draft_state
 from kvstack.drafts.verify import FIRST_WINDOW, remaining_draft, verify_greedy
 from kvstack.errors import InvalidRequestError
 
@@ -152,22 +153,24 @@ def test_a_right_draft_takes_a_step_per_window(tiny: Path, plain: LLM) -> None:
     prompt = [5, 6, 7, 8, 9]
     truth = reference(plain, prompt)
     request = llm.engine.add_request(prompt, GREEDY, draft_token_ids=truth)
+    drafts = draft_state(request)  # the request's draft state (`drafts/state.py`)
     first = llm.engine.step()  # the prefill verifies the first window of the draft
     assert first[0].outputs[0].token_ids == truth[:FIRST_WINDOW + 1]
-    assert request.draft_window == 2 * FIRST_WINDOW  # all accepted: the window doubles
+    assert drafts.draft_window == 2 * FIRST_WINDOW  # all accepted: the window doubles
     second = llm.engine.step()  # the rest of the draft (it fits the doubled window)
     assert second[0].outputs[0].token_ids == truth
     # Each step adds the model's own token after the accepted ones: 2 steps, 12 tokens.
-    assert request.finished and request.num_accepted_tokens == MAX_TOKENS - 2
+    assert request.finished and drafts.num_accepted_tokens == MAX_TOKENS - 2
     assert_idle(llm)
 
 
 def test_a_finished_request_drops_what_is_left_of_its_draft(tiny: Path) -> None:
     llm = _cached_engine(tiny, {})
     request = llm.engine.add_request([5, 6, 7], GREEDY, draft_token_ids=[3, 4, 5])
-    assert request.draft_token_ids == [3, 4, 5]
+    drafts = draft_state(request)  # the request's draft state (`drafts/state.py`)
+    assert drafts.draft_token_ids == [3, 4, 5]
     llm.engine.abort(request.request_id)  # never stepped: the whole draft is left
-    assert request.finished and request.draft_token_ids == []  # dropped by the on_finish hook
+    assert request.finished and drafts.draft_token_ids == []  # dropped by the on_finish hook
     assert_idle(llm)
 
 
@@ -177,12 +180,13 @@ def test_a_wrong_draft_costs_one_window(tiny: Path, plain: LLM) -> None:
     truth = reference(plain, prompt)
     wrong = [(t + 1) % VOCAB for t in truth]
     request = llm.engine.add_request(prompt, GREEDY, draft_token_ids=wrong)
+    drafts = draft_state(request)  # the request's draft state (`drafts/state.py`)
     llm.engine.step()
-    assert request.num_draft_tokens == FIRST_WINDOW and request.num_accepted_tokens == 0
-    assert request.draft_token_ids == []  # the rest of a rejected draft is dropped
+    assert drafts.num_draft_tokens == FIRST_WINDOW and drafts.num_accepted_tokens == 0
+    assert drafts.draft_token_ids == []  # the rest of a rejected draft is dropped
     while not request.finished:
         llm.engine.step()
-    assert request.output_token_ids == truth and request.num_draft_tokens == FIRST_WINDOW
+    assert request.output_token_ids == truth and drafts.num_draft_tokens == FIRST_WINDOW
     assert_idle(llm)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array
 from typing import Protocol
 
+from kvstack.drafts.state import DraftState
 from kvstack.sampling_params import SamplingParams
 
 # An n-gram of one token matches almost anywhere and drafts noise; past four, matches get rare
@@ -24,17 +25,17 @@ _ITEM = 4  # bytes per token id in the search buffer (array 'i')
 
 class DraftingRequest(Protocol):
     sampling_params: SamplingParams
-    draft_token_ids: list[int]
 
     def token_ids(self) -> list[int]: ...
 
 
-def propose_drafts(request: DraftingRequest) -> None:
-    """Give a request that asked for prompt lookup its next draft, unless it still has one."""
+def propose_drafts(request: DraftingRequest, state: DraftState) -> None:
+    """Give a request that asked for prompt lookup its next draft (in its draft `state`),
+    unless it still has one."""
     sp = request.sampling_params
-    if not sp.prompt_lookup or request.draft_token_ids or not sp.verifies_drafts:
+    if not sp.prompt_lookup or state.draft_token_ids or not sp.verifies_drafts:
         return
-    request.draft_token_ids = lookup(request.token_ids(), sp.prompt_lookup)
+    state.draft_token_ids = lookup(request.token_ids(), sp.prompt_lookup)
 
 
 def lookup(tokens: list[int], max_draft: int, max_ngram: int = MAX_NGRAM,

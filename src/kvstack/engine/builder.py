@@ -15,13 +15,14 @@ from kvstack.blend.blender import Blender, blend_state
 from kvstack.blend.params import BlendSpec
 from kvstack.clock import MONOTONIC, Clock
 from kvstack.config import EngineConfig, ModelConfig
+from kvstack.drafts.tracker import OPTION as DRAFTS_OPTION
 from kvstack.drafts.tracker import DraftTracker
 from kvstack.engine.hooks import NewRequest, OnAdd, StepHooks
 from kvstack.engine.request import Request
 from kvstack.engine.request_output import completion_output
 from kvstack.engine.steps import GroupedSteps, PagedSteps, StepBuilder, WindowSteps
 from kvstack.engine.tier_control import TierControl
-from kvstack.engine.tokenizer import load_tokenizer
+from kvstack.engine.tokenizer import check_token_ids, load_tokenizer
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.coordinator import KVCacheCoordinator
 from kvstack.kv.dtypes import resolve
@@ -119,12 +120,16 @@ def register_features(parts: EngineParts, config: EngineConfig, clock: Clock) ->
     hooks.on_add.append(_blend_setup(parts.blender))
     hooks.on_add.append(_scoring_setup(block_size, parts.tokenizer))
     hooks.options |= {"blend", "num_scored"}
+    vocab_size = parts.model_config.vocab_size
     drafts = DraftTracker(parts.kv_storage is not None and parts.kv_storage.lossy,
-                          parts.kv_manager.accepts_drafts)
-    hooks.on_add.append(drafts.on_add)
+                          parts.kv_manager.accepts_drafts,
+                          lambda ids: check_token_ids(ids, vocab_size))
+    hooks.on_add.append(drafts.on_add)  # after the others: it refused a request last
+    hooks.options.add(DRAFTS_OPTION)
     hooks.extra_tokens = drafts.extra_tokens
     hooks.verify_drafts = drafts.verify
     hooks.after_sampling.append(drafts.after_sampling)
+    hooks.fill_output.append(drafts.fill_output)
     hooks.after_output.append(drafts.after_output)
     hooks.on_finish.append(drafts.on_finish)
     hooks.stats.append(drafts.stats_fields)

@@ -80,7 +80,6 @@ class LLMEngine:
         sampling_params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        draft_token_ids: Sequence[int] | None = None,
         **options: object,
     ) -> Request | RequestGroup:
         """Validate and queue a request. Raises a KvstackError subclass on bad input.
@@ -88,12 +87,11 @@ class LLMEngine:
         `options`: the registered features' own inputs (`StepHooks.options`), each read by its
         feature's `on_add` hook: `blend=BlendSpec(...)` reuses the prompt's chunks' K/V
         (APPROXIMATE, `blend/`); `num_scored=k` keeps the log-prob rows of the last k prompt
-        positions (`Request.scored`). Any other keyword is a TypeError.
+        positions (`Request.scored`); `draft_token_ids=[...]` is a guess at the output,
+        verified against the model's greedy choices (`drafts/`). Any other keyword is a
+        TypeError.
 
-        `draft_token_ids`: a guess at the output, verified against the model's own greedy
-        choices (only the agreeing prefix is kept; greedy requests without penalties only,
-        others ignore it); ids must be in the vocabulary, an empty list is no draft, and a
-        draft longer than the request's max_tokens is cut to it. A request a feature splits
+        A request a feature splits
         (`StepHooks.split`: n or best_of > 1, samples sharing the prompt, `samples/`) runs as
         several engine requests, returned as a `RequestGroup`."""
         if unknown := sorted(set(options) - self.hooks.options):
@@ -121,7 +119,6 @@ class LLMEngine:
                 detokenizer=IncrementalDetokenizer(self.tokenizer or NullDecoder(), token_ids,
                                                    sp.skip_special_tokens),
                 cache_salt=cache_salt,
-                draft_token_ids=self._draft(draft_token_ids, max_tokens),
             )
             for setup in setups:
                 setup(request)
@@ -152,15 +149,6 @@ class LLMEngine:
                 raise InvalidRequestError("prompt is empty; give at least one token of text")
             return list(self.tokenizer.encode(prompt))
         return check_token_ids(list(prompt), self.model_config.vocab_size)
-
-    def _draft(self, draft_token_ids: Sequence[int] | None, max_tokens: int) -> list[int]:
-        if not draft_token_ids:
-            return []
-        try:
-            ids = check_token_ids(list(draft_token_ids), self.model_config.vocab_size)
-        except InvalidRequestError as err:
-            raise InvalidRequestError(f"draft_token_ids: {err}") from None
-        return ids[:max_tokens]
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks; unknown or finished ids are ignored. The
@@ -256,7 +244,7 @@ class LLMEngine:
         return reason
 
     def make_output(self, request: Request) -> RequestOutput:
-        return request_output(request)
+        return self.hooks.run_fill_output(request, request_output(request))
 
     # -- cache control and stats ------------------------------------------------------------
 

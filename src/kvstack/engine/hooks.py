@@ -5,9 +5,9 @@ split a request, check that it fits and report their outputs as one; structured 
 blending, scoring and drafts when a request is added; structured outputs before a step runs;
 blending's chunk lookups before scheduling and its row filter in the layer loop; drafts'
 tokens to feed in the scheduler, their verification in the runner, and drafts after
-sampling and after output; structured outputs, drafts and parallel samples when a request
-finishes or is aborted). A new feature adds a callable to a list; `LLMEngine`, the
-scheduler and `ModelRunner.run` call every one in order.
+sampling, in each output and after output; structured outputs, drafts and parallel samples
+when a request finishes or is aborted). A new feature adds a callable to a list;
+`LLMEngine`, the scheduler and `ModelRunner.run` call every one in order.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ LayerPlanner = Callable[[Sequence[ScheduledRequest], torch.Tensor, StepMetadata]
 VerifyDrafts = Callable[[torch.Tensor, list[int]], tuple[list[int], int]]
 # After a step sampled a request: (request, draft tokens it fed, the tokens it emitted).
 AfterSampling = Callable[[Request, int, list[int]], None]
+# A request's output just made: a feature fills the fields it reports (drafts' counts).
+FillOutput = Callable[[Request, RequestOutput], None]
 # A request that gained tokens this step and goes on (its output already made).
 AfterOutput = Callable[[Request], None]
 # The requests that gained tokens this step, in order: a feature takes those it reports
@@ -90,6 +92,7 @@ class StepHooks:
     # The one verifier of fed draft tokens (drafts'); the runner calls it per drafting request.
     verify_drafts: VerifyDrafts | None = None
     after_sampling: list[AfterSampling] = field(default_factory=list)
+    fill_output: list[FillOutput] = field(default_factory=list)
     after_output: list[AfterOutput] = field(default_factory=list)
     take_outputs: list[TakeOutputs] = field(default_factory=list)
     on_abort: list[OnAbort] = field(default_factory=list)
@@ -136,6 +139,11 @@ class StepHooks:
     def run_after_sampling(self, request: Request, num_fed: int, token_ids: list[int]) -> None:
         for hook in self.after_sampling:
             hook(request, num_fed, token_ids)
+
+    def run_fill_output(self, request: Request, output: RequestOutput) -> RequestOutput:
+        for hook in self.fill_output:
+            hook(request, output)
+        return output
 
     def run_after_output(self, request: Request) -> None:
         for hook in self.after_output:

@@ -95,12 +95,9 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""  # output text, stop strings already cut
-    # Proposed continuation the engine verifies at the request's next sampling step (only the
-    # tokens that match the model's own greedy choices are kept; `drafts/`).
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_window: int = 0  # most draft tokens fed in one step (drafts' on_add sets the first)
-    num_draft_tokens: int = 0  # draft tokens fed to the model so far
-    num_accepted_tokens: int = 0  # of those, the ones the model agreed with
+    # A feature's own per-request state, by the feature's name (set by its `on_add` hook):
+    # only that feature reads it, so the engine's request names no feature.
+    feature_state: dict[str, object] = field(default_factory=dict)
     # Per output token, its `logprobs=k` most likely alternatives (k > 0 only).
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # A request a feature split into several (parallel samples, `samples/`): the caller's

@@ -62,8 +62,6 @@ def request_output(request: Request) -> RequestOutput:
         prompt_logprobs=(request.prompt_scores.logprobs(sp.prompt_logprobs)
                          if request.prompt_scores is not None and sp.prompt_logprobs is not None
                          else None),
-        num_draft_tokens=request.num_draft_tokens,
-        num_accepted_tokens=request.num_accepted_tokens,
         provenance=request.provenance(),
         blend=request.step_plan.final_usage() if request.step_plan is not None else None,
     )
