@@ -21,7 +21,6 @@ from kvstack.engine.hooks import NewRequest, OnAdd, StepHooks
 from kvstack.engine.request import Request
 from kvstack.engine.request_output import completion_output
 from kvstack.engine.steps import GroupedSteps, PagedSteps, StepBuilder, WindowSteps
-from kvstack.engine.tier_control import TierControl
 from kvstack.engine.tokenizer import check_token_ids, load_tokenizer
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.coordinator import KVCacheCoordinator
@@ -34,6 +33,7 @@ from kvstack.kv.sizing import KVShape
 from kvstack.kv.storage import KVCacheStorage, make_kv_storage, torch_dtype
 from kvstack.kv.tiers.chain import TierChain, build_tiers
 from kvstack.kv.tiers.codec import BlockFormat
+from kvstack.kv.tiers.control import TierControl
 from kvstack.kv.window import SlidingWindow
 from kvstack.models import CausalLM, family_of
 from kvstack.samples.feature import ParallelSamples
@@ -59,7 +59,7 @@ class EngineParts:
     blender: Blender | None = None  # chunk cache, blending; None: no KV cache, window, int4
     steps: StepBuilder | None = None  # the KV mode's step builder (`engine/steps.py`)
     hooks: StepHooks = field(default_factory=StepHooks)  # optional features' hook points
-    tier_control: TierControl | None = None  # pins, warming, flushing (`engine/tier_control`)
+    tier_control: TierControl | None = None  # pins, warming, flushing (`kv/tiers/control.py`)
     # Prompt scores beside the prefix cache's blocks; without one it keeps nothing.
     score_store: ScoreStore = field(default_factory=ScoreStore.inert)
 

@@ -262,7 +262,7 @@ class LLMEngine:
         if not self.kv_manager.set_tiers(tiers):
             raise InvalidRequestError("block tiers need the prefix cache; turn it on")
 
-    # -- tier control (`engine/tier_control.py`) ---------------------------------------------
+    # -- tier control (`kv/tiers/control.py`) -----------------------------------------------
 
     def pin_prefix(
         self, token_ids: Sequence[int], cache_salt: str | None, ttl_s: float

@@ -2,7 +2,8 @@
 
 One object over the engine's KV mode and its tiers; `LLMEngine`'s public `pin_prefix`,
 `warm`, `flush_tiers`, `tier_stats` and `close` hand over to it, and it lapses expired pins
-before each schedule (a `before_schedule` hook, registered in `engine/builder.py`).
+before each schedule (a `before_schedule` hook, registered in `engine/builder.py`). It lives
+with the tiers, so the engine package holds the loop and no feature of its own.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstack.clock import Clock
-from kvstack.engine.request import Request
 from kvstack.errors import InvalidRequestError
 from kvstack.kv.mode import KVCacheMode
 from kvstack.kv.tiers.base import TierStats
@@ -25,7 +25,7 @@ class TierControl:
         self.tiers = tiers
         self.clock = clock
 
-    def before_schedule(self, waiting: Sequence[Request]) -> None:
+    def before_schedule(self, waiting: Sequence[object]) -> None:
         self.kv.expire_pins(self.clock())
 
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None,
