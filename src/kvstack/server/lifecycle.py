@@ -105,7 +105,7 @@ async def _events(request: Request, stream: OutputStream, wire: WireFormat,
             await probe.store(out)
         for event in wire.closing(out):
             yield event
-    except Exception as err:  # noqa: BLE001 - the status line is gone; say it in-band
+    except Exception as err:  # the status line is gone: say it in-band
         yield wire.error(json.loads(from_exception(request.url.path, err).body))
     finally:
         stream.close()
