@@ -136,7 +136,12 @@ def test_streamed_echo_sends_the_prompt_and_its_logprobs_first(api: Client,
     assert streamed == whole.choices[0].text
     values = [v for c in chunks for v in (c.choices[0].logprobs.token_logprobs
                                           if c.choices[0].logprobs else [])]
-    assert values == whole.choices[0].logprobs.token_logprobs
+    # The second request takes the first's blocks as a prefix hit and recomputes the rest in
+    # a step of another shape, so its figures agree within the hit's documented 1e-4 (run
+    # after the module's earlier tests, both are hits and agree bit for bit).
+    again = whole.choices[0].logprobs.token_logprobs
+    assert values[0] is None and again[0] is None and len(values) == len(again)
+    assert max(abs(a - b) for a, b in zip(values[1:], again[1:], strict=True)) < 1e-4
 
 
 def test_vllm_prompt_logprobs_in_completions_and_chat(api: Client, tokenizer: Any) -> None:

@@ -69,6 +69,7 @@ def make_trace(subject: Subject, system_tokens: int, num_conversations: int, num
         docs += subject.encode(text)
         if len(docs) >= docs_tokens:
             break
+    assert subject.tokenizer is not None  # the agent trace runs on a model with a tokenizer
     head = subject.tokenizer.decode(docs[:docs_tokens]) if docs_tokens else ""
     system = f"You are a coding agent. Reference:\n{head}\n\n{tools}"
     words = [w for t in topic_texts()[:40] for w in t.split() if w.isalpha()]

@@ -90,7 +90,8 @@ def _call(store, layer: int, q: torch.Tensor, slots: torch.Tensor, lens: torch.T
     quantized = store.quantized_tensors(layer)
     if quantized is not None:
         rotate = store.basis is not None
-        return lambda: kops.decode_attention_quant(q, *quantized, rotate, slots, lens, scale)
+        codes, scales = quantized
+        return lambda: kops.decode_attention_quant(q, codes, scales, rotate, slots, lens, scale)
     k, v = store.k[layer], store.v[layer]  # bfloat16 under float32 queries too
     return lambda: kops.decode_attention(q, k, v, slots, lens, scale)
 

@@ -24,6 +24,7 @@ from contextlib import ExitStack
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from kvstack.kernels import isa as isas
 from kvstack.kernels.isa import KernelsUnavailableError
@@ -60,7 +61,7 @@ _SIGNATURES = {
 }
 _SUFFIXES = {"gemv": ("f32", "bf16", "i8", "q8", "bf16dp")}
 # Functions without dtype variants: name -> (argtypes, restype).
-_PLAIN = {
+_PLAIN: dict[str, tuple[list[Any], Any]] = {
     "kvstack_gemv_isa": ([], ctypes.c_char_p),
     # type, bytes_out
     "gguf_block_size": ([_INT, _P], _I64),

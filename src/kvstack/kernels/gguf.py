@@ -98,10 +98,11 @@ class GGUFLinear:
         self._lib = build.load() if use_kernels else None
         # Q4_0 / Q4_1 / Q8_0 blocks are repacked 8 rows at a time for the decode kernel
         # (gguf_x8.c): the same bytes, moved; `file_blocks()` gives the file's layout back.
-        self.x8 = self._lib is not None and bool(self._lib.gguf_x8_supported(int(self.qtype)))
-        if self.x8:
+        lib = self._lib
+        self.x8 = lib is not None and bool(lib.gguf_x8_supported(int(self.qtype)))
+        if lib is not None and self.x8:
             packed = torch.empty_like(self.blocks)
-            _check(self._lib.gguf_x8_pack(int(self.qtype), self.blocks.data_ptr(),
+            _check(lib.gguf_x8_pack(int(self.qtype), self.blocks.data_ptr(),
                                           self.out_features, self.in_features,
                                           packed.data_ptr()))
             self.blocks = packed

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import gguf
 import numpy as np
@@ -82,7 +83,7 @@ def main() -> None:
         cells = []
         for rows in args.rows:
             x = torch.randn(rows, k)
-            rate = lin.num_bytes / _best_seconds(lambda x=x, lin=lin: lin(x), args.repeats, clock)
+            rate = lin.num_bytes / _best_seconds(partial(lin, x), args.repeats, clock)
             cells.append(f"{rows} row{'s' if rows > 1 else ''}: {rate / 1e9:5.1f} GB/s "
                          f"({rate / probe:4.0%})")
         print(f"{qtype.name:5s} {lin.num_bytes >> 20} MiB  " + "  ".join(cells), flush=True)

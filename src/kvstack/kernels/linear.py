@@ -155,6 +155,7 @@ class Linear:
     def _kernel(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         x32 = x.to(torch.float32).contiguous()
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        assert self._gemv is not None  # forward takes this path only with a kernel bound
         self._gemv(
             x32.data_ptr(), rows, self.in_features, self.weight.data_ptr(), self.out_features,
             _ptr(self.scale), _ptr(self.bias32), y.data_ptr(), torch.get_num_threads(),

@@ -6,6 +6,8 @@ Callers check `available()` first; the model's PyTorch path is the fallback and 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -18,7 +20,7 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in _SUFFIX and build.load() is not None
 
 
-def _fn(base: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+def _fn(base: str, dtype: torch.dtype) -> Callable[..., Any]:
     lib = build.load()
     assert lib is not None, "check kernels.ops.available() first"
     return getattr(lib, f"{base}_{_SUFFIX[dtype]}")
@@ -87,7 +89,7 @@ def cache_readable(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     return cache_dtype == dtype or (dtype, cache_dtype) == (torch.float32, torch.bfloat16)
 
 
-def _bf16_cache_fn() -> ctypes._CFuncPtr:
+def _bf16_cache_fn() -> Callable[..., Any]:
     """`decode_attention_bf16kv_f32` (fp32 queries over a bfloat16 cache), bound here: its
     arguments are `decode_attention`'s."""
     lib = build.load()

@@ -26,7 +26,8 @@ _pumps: set[asyncio.Task[None]] = set()
 
 
 class OutputStream(Protocol):
-    finished: bool
+    @property
+    def finished(self) -> bool: ...
 
     async def next(self) -> RequestOutput:
         """The next cumulative output; raises the request's error."""

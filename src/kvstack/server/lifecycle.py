@@ -106,7 +106,7 @@ async def _events(request: Request, stream: OutputStream, wire: WireFormat,
         for event in wire.closing(out):
             yield event
     except Exception as err:  # the status line is gone: say it in-band
-        yield wire.error(json.loads(from_exception(request.url.path, err).body))
+        yield wire.error(json.loads(bytes(from_exception(request.url.path, err).body)))
     finally:
         stream.close()
     for event in wire.done():

@@ -35,7 +35,8 @@ MIN_TICK_GAP_S = 0.2  # a page that connects gets its first snapshot early, but 
 class OutputStream(Protocol):
     """A running request as the server hands it out (`server.generation.Generation`)."""
 
-    finished: bool
+    @property
+    def finished(self) -> bool: ...
 
     async def next(self) -> RequestOutput: ...
     def close(self) -> None: ...

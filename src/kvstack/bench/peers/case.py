@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -144,7 +145,7 @@ def _load_engines(subject: Subject, options: BenchOptions, work: Workloads,
         if isinstance(kwargs, str):
             add(f"kvstack_{name}", None, kwargs)
         else:
-            add(f"kvstack_{name}", lambda kwargs=kwargs: OursRunner(subject, work, kwargs))
+            add(f"kvstack_{name}", partial(OursRunner, subject, work, kwargs))
     add("transformers", lambda: TransformersRunner(subject))
     add("llamacpp", lambda: LlamaCppRunner(subject, options, work),
         llamacpp.unavailable_reason(options.model))
@@ -205,6 +206,7 @@ def _measure(runners: dict[str, Runner], engines: dict[str, dict[str, Any]], wor
             for _ in range(s.repeats):
                 for key, runner in runners.items():
                     info = engines[key]
+                    record: dict[str, Any] | None
                     if workload in prompts:
                         prompt, new_tokens = prompts[workload]
                         ids, ttft, gaps = runner.decode(prompt, new_tokens)
@@ -218,8 +220,9 @@ def _measure(runners: dict[str, Runner], engines: dict[str, dict[str, Any]], wor
                         record = None if done is None else _batch_record(*done)
                     bar.update(1)
                     best = rate(info, workload)
+                    new = rate({workload: record}, workload) if record is not None else None
                     if record is not None and (best is None
-                                               or rate({workload: record}, workload) > best):
+                                               or (new is not None and new > best)):
                         info[workload] = record
 
 

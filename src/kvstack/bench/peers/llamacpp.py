@@ -41,7 +41,8 @@ class LlamaCppPeer:
         """`logits_all`: keep every position's logits (`llm.scores`), as perplexity needs;
         `llama`: the `Llama` class (llama_cpp's by default)."""
         if llama is None:
-            from llama_cpp import Llama as llama
+            import llama_cpp  # the optional extra: only this peer needs it
+            llama = llama_cpp.Llama
         self.path: Path = resolve_model(model)
         self.llm: Any = llama(model_path=str(self.path), n_ctx=n_ctx, n_threads=threads,
                               n_threads_batch=threads, logits_all=logits_all, verbose=False)
