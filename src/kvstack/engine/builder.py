@@ -35,6 +35,7 @@ from kvstack.kv.tiers.chain import TierChain, build_tiers
 from kvstack.kv.tiers.codec import BlockFormat
 from kvstack.kv.tiers.control import TierControl
 from kvstack.kv.window import SlidingWindow
+from kvstack.kv.window_mode import WindowModeKV
 from kvstack.models import CausalLM, family_of
 from kvstack.samples.feature import ParallelSamples
 from kvstack.scoring.prompt import PromptScores
@@ -281,9 +282,12 @@ def _build_kv(parts: EngineParts, config: EngineConfig, clock: Clock) -> None:
         enable_prefix_caching=cache.enable_prefix_caching and parts.window is None,
         fingerprint=parts.fingerprint,
         max_pinned_blocks=int(num_blocks * cache.max_pinned_fraction), tiers=parts.kv_tiers,
-        window=parts.window, on_free=storage.release, on_copy=storage.copy_block)
-    parts.kv_manager = KVCacheCoordinator(
-        manager, parts.kv_layout, max_chunk_tokens=config.scheduler.max_num_batched_tokens)
+        on_free=storage.release, on_copy=storage.copy_block)
+    if parts.window is not None:
+        parts.kv_manager = WindowModeKV(manager, parts.window)
+    else:
+        parts.kv_manager = KVCacheCoordinator(
+            manager, parts.kv_layout, max_chunk_tokens=config.scheduler.max_num_batched_tokens)
     if manager.enable_prefix_caching:
         pool = manager.pool
         parts.score_store = ScoreStore(manager.block_hashes,

@@ -1,11 +1,11 @@
 """The KV mode of a model with a cache: one manager per kind of KV group behind `KVCacheMode`.
 
-Group 0 (full attention, or the approximate window mode's table) is a `KVCacheManager`: the
-classic table, prefix hashes and tier behaviour. A hybrid layout's (`kv/groups.py`) window
-groups are `GroupTables`, which drop the blocks that slid out of their window after every
-step, so a long sequence holds ~window blocks in those groups. Exact, not an approximation: a
-sliding layer never reads a key its window does not reach. A model without window groups has
-an empty `GroupTables`, and every call below is group 0's alone.
+Group 0 (full attention) is a `KVCacheManager`: the classic table, prefix hashes and tier
+behaviour. A hybrid layout's (`kv/groups.py`) window groups are `GroupTables`, which drop the
+blocks that slid out of their window after every step, so a long sequence holds ~window
+blocks in those groups. Exact, not an approximation: a sliding layer never reads a key its
+window does not reach. A model without window groups has an empty `GroupTables`, and every
+call below is group 0's alone. (The approximate window mode is `kv/window_mode.py`.)
 
 A prefix hit must hold, in every window group, the blocks of the last window before the hit
 point (the hit's first new query reads them); the hit is cut back to the longest one for which
@@ -34,11 +34,14 @@ class KVCacheCoordinator:
     `max_chunk_tokens`: the most tokens one step computes for a request (a window group holds
     a prefill chunk's blocks plus the window before it until the step ends)."""
 
+    accepts_drafts = True
+    can_fork = True
+    unbounded_context = False
+    capacity_fix = "lower max_tokens"
+
     def __init__(self, manager: KVCacheManager, layout: KVLayout | None = None,
                  max_chunk_tokens: int = 0) -> None:
         windows = layout.windows[1:] if layout is not None else ()
-        if windows and manager.window is not None:
-            raise ValueError("window mode keeps the single KV layout")
         self.manager = manager
         self.windows = (layout.windows if layout is not None else (None,))
         self.max_chunk_tokens = max_chunk_tokens
@@ -57,26 +60,8 @@ class KVCacheCoordinator:
     def num_copied_blocks(self) -> int:
         return self.manager.num_copied_blocks
 
-    @property
-    def accepts_drafts(self) -> bool:
-        return self.manager.window is None  # window mode cannot roll back a slid window
-
-    @property
-    def can_fork(self) -> bool:
-        return True
-
-    @property
-    def unbounded_context(self) -> bool:
-        return self.manager.window is not None  # positions are indices in the window
-
-    @property
-    def capacity_fix(self) -> str:
-        return "lower kv_window" if self.manager.window is not None else "lower max_tokens"
-
     def max_chunk(self, budget: int) -> int:
-        # Window mode bounds a request's chunk, and so the blocks it holds at once.
-        window = self.manager.window
-        return window.max_chunk if window is not None else budget
+        return budget
 
     def step_budget(self, budget: int) -> int:
         return budget
@@ -99,9 +84,8 @@ class KVCacheCoordinator:
 
     # -- a request's tables ------------------------------------------------------------------
     def blocks_of(self, request_id: str) -> KVBlocks:
-        m = self.manager
-        return KVBlocks(m.block_ids(request_id), m.num_dropped_blocks(request_id),
-                        self.groups.block_ids(request_id))
+        return KVBlocks(self.manager.block_ids(request_id),
+                        group_block_ids=self.groups.block_ids(request_id))
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.manager.block_ids(request_id)
@@ -199,8 +183,7 @@ class KVCacheCoordinator:
         self._free(self.groups.trim(request.request_id, request.num_computed_tokens))
 
     def slide_window(self, request: KVRequest) -> None:
-        """Free every group's blocks no later query reads (after every step)."""
-        self.manager.slide_window(request)
+        """Free the window groups' blocks no later query reads (after every step)."""
         self._free(self.groups.slide(request.request_id, request.num_computed_tokens))
 
     def free(self, request_id: str, finished: bool = True) -> None:

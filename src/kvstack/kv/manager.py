@@ -27,7 +27,6 @@ from kvstack.kv.snapshot import (
 )
 from kvstack.kv.tiers.base import BlockTiers
 from kvstack.kv.values import KVRequest, KVUsage, PrefixHit
-from kvstack.kv.window import SlidingWindow
 
 # The blocks a request holds beyond its table here (a hybrid layout's other KV groups).
 Holdings = Callable[[str], list[KVBlock]]
@@ -37,11 +36,8 @@ __all__ = ["KVCacheManager", "KVRequest", "KVUsage", "PrefixHit"]
 
 @dataclass
 class _BlockTable:
-    blocks: list[KVBlock] = field(default_factory=list)  # sink blocks, then the live ones
+    blocks: list[KVBlock] = field(default_factory=list)  # in position order
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, from token 0
-    # Window mode: logical blocks between the sinks and `blocks`' rest that slid out and were
-    # freed (dropped, not evicted: they never enter the prefix cache).
-    num_dropped_blocks: int = 0
     cache_salt: str | None = None  # the request's: the tenant of the blocks it publishes
 
 
@@ -49,9 +45,7 @@ class KVCacheManager:
     """Owns which blocks each request holds. Never touches tensors.
 
     `on_free` hears of every block a request lets go (storage may keep per-block state, e.g.
-    int4's full-precision window). With a `window` (sliding-window mode) a request's blocks
-    that slid out of the window are freed after each step (`slide_window`) and prefix caching
-    is off: a block's K/V there depend on what was dropped before it.
+    int4's full-precision window).
 
     Tables may share blocks by reference count (`fork`: parallel samples of one prompt). A
     shared block is never written: the first table to write into a shared, partly filled
@@ -66,14 +60,10 @@ class KVCacheManager:
         fingerprint: str,
         max_pinned_blocks: int | None = None,
         tiers: BlockTiers | None = None,
-        window: SlidingWindow | None = None,
         on_free: Callable[[list[int]], None] | None = None,
         on_copy: Callable[[int, int], None] | None = None,
     ) -> None:
-        if window is not None and (enable_prefix_caching or tiers is not None):
-            raise ValueError("window mode caches no prefix blocks")
         self.pool = BlockPool(num_blocks)
-        self.window = window
         self.on_free = on_free
         self.on_copy = on_copy  # (src, dst): copy a block's K/V (copy-on-write)
         self.tiers = tiers
@@ -101,8 +91,7 @@ class KVCacheManager:
 
     def max_blocks_held(self, num_tokens: int) -> int:
         """Most blocks a request of num_tokens tokens holds at once."""
-        blocks = self.blocks_needed(num_tokens)
-        return blocks if self.window is None else min(blocks, self.window.max_blocks)
+        return self.blocks_needed(num_tokens)
 
     # -- a request's table ------------------------------------------------------------------
     def _table(self, request_id: str) -> _BlockTable:
@@ -123,10 +112,6 @@ class KVCacheManager:
         """Hashes of the request's full blocks computed so far (from token 0)."""
         table = self._tables.get(request_id)
         return list(table.block_hashes) if table else []
-
-    def num_dropped_blocks(self, request_id: str) -> int:
-        table = self._tables.get(request_id)
-        return table.num_dropped_blocks if table else 0
 
     # -- admission and growth ---------------------------------------------------------------
     def match_prefix(self, request: KVRequest) -> PrefixHit:
@@ -180,7 +165,7 @@ class KVCacheManager:
         table.cache_salt = request.cache_salt
         hit_blocks = hit.blocks if hit else []
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
-        num_held = len(table.blocks) + table.num_dropped_blocks + len(hit_blocks)
+        num_held = len(table.blocks) + len(hit_blocks)
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - num_held
         shared = self._shared_write_index(table, num_computed, num_new_tokens)
         # Reviving a free cached block takes it out of the free queue too.
@@ -210,8 +195,7 @@ class KVCacheManager:
         """Last part of growth: new blocks up to the step's last token."""
         table = self._table(request.request_id)
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
-        num_held = len(table.blocks) + table.num_dropped_blocks
-        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - num_held
+        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(table.blocks)
         if num_new_blocks > 0:
             table.blocks.extend(self.pool.allocate(num_new_blocks))
 
@@ -221,9 +205,7 @@ class KVCacheManager:
         table holds it too (a fork's shared tail); None otherwise."""
         if num_new_tokens <= 0 or num_computed % self.block_size == 0:
             return None  # the step starts a new block
-        logical = num_computed // self.block_size
-        sinks = self.window.num_sink_blocks if self.window is not None else logical + 1
-        index = logical if logical < sinks else logical - table.num_dropped_blocks
+        index = num_computed // self.block_size
         if index < len(table.blocks) and table.blocks[index].ref_cnt > 1:
             return index
         return None
@@ -245,7 +227,7 @@ class KVCacheManager:
         assert not self.blocks(child_id), f"fork: request {child_id!r} already holds blocks"
         self.pool.touch(parent.blocks)
         self._tables[child_id] = _BlockTable(list(parent.blocks), list(parent.block_hashes),
-                                             parent.num_dropped_blocks, parent.cache_salt)
+                                             parent.cache_salt)
 
     def record_query(self, request: KVRequest, hit: PrefixHit) -> None:
         self.prefix_cache_query_tokens += request.num_tokens
@@ -306,26 +288,23 @@ class KVCacheManager:
         simply overwritten later. Nothing past the computed tokens was ever published."""
         if (table := self._tables.get(request.request_id)) is None:
             return
-        keep = self.blocks_needed(request.num_computed_tokens) - table.num_dropped_blocks
+        keep = self.blocks_needed(request.num_computed_tokens)
         if len(table.blocks) > keep:
             extra = table.blocks[keep:]
             del table.blocks[keep:]
             self.free_blocks(list(reversed(extra)))
 
-    def slide_window(self, request: KVRequest) -> None:
-        """Window mode: free the request's blocks no later query can see (sinks stay)."""
-        if self.window is None:
+    def drop_blocks(self, request_id: str, start: int, count: int) -> None:
+        """Free `count` of the request's blocks from table index `start` on: blocks no later
+        step reads. The table closes up over the gap, so it then holds the request's sequence
+        with those tokens cut out; the caller counts them, and hands the manager the request
+        as its table holds it. No prefix cache: its hashes index a table by position."""
+        assert not self.enable_prefix_caching, "a prefix-cached table keeps every position"
+        if (table := self._tables.get(request_id)) is None:
             return
-        table = self._table(request.request_id)
-        num_dead = self.window.num_dead_blocks(request.num_computed_tokens)
-        num_new = num_dead - table.num_dropped_blocks
-        if num_new <= 0:
-            return
-        first = self.window.num_sink_blocks
-        dead = table.blocks[first:first + num_new]
-        del table.blocks[first:first + num_new]
-        table.num_dropped_blocks += num_new
-        self.free_blocks(dead)
+        dropped = table.blocks[start:start + count]
+        del table.blocks[start:start + count]
+        self.free_blocks(dropped)
 
     def free(self, request_id: str, finished: bool = True) -> None:
         """Release the request's blocks, tail first, so its head stays cached longest. A
@@ -338,7 +317,6 @@ class KVCacheManager:
             del self._tables[request_id]
         else:
             table.blocks = []
-            table.num_dropped_blocks = 0
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:
         self.pool.free(blocks)

@@ -2,10 +2,10 @@
 
 The scheduler, the runner and the engine core hold a `KVCacheMode` and never ask which mode it
 is: full attention with prefix caching and a hybrid model's window groups (`kv/coordinator.py`
-over `kv/manager.py` and `kv/group_tables.py`), the approximate window mode (a manager with a
-`SlidingWindow`) and no cache at all (`kv/no_cache.py`). A new mode is one more class with
-these methods; what a step's tensors need of it travels in `KVBlocks`, which only the mode's
-step builder (`engine/steps.py`) reads.
+over `kv/manager.py` and `kv/group_tables.py`), the approximate window mode
+(`kv/window_mode.py`, over a manager without prefix caching) and no cache at all
+(`kv/no_cache.py`). A new mode is one more class with these methods; what a step's tensors
+need of it travels in `KVBlocks`, which only the mode's step builder (`engine/steps.py`) reads.
 """
 
 from __future__ import annotations
