@@ -3,12 +3,12 @@ its model runs over its KV storage), the reference's, and their comparison."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from kvstack import SamplingParams
+from kvstack import LLM, SamplingParams
 from kvstack.engine.core import LLMEngine
 from kvstack.kv.storage.base import KVCacheStorage
 
@@ -81,3 +81,46 @@ def assert_logits_close(
         decode = (got[n:] - ref[n:]).abs().max().item()
         assert prefill <= prefill_atol, f"prefill rows of a {len(got)}-token sequence: {prefill}"
         assert decode <= decode_atol, f"decode rows of a {len(got)}-token sequence: {decode}"
+
+
+
+# (prompt, one run's output tokens, another's) -> the logits row at a position of a sequence
+LogitsAt = Callable[[list[int], int, int], torch.Tensor]
+
+
+def assert_parts_only_at_near_ties(
+    runs: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]], near_tie: float,
+    logits_at: LogitsAt,
+) -> int:
+    """Each run is (prompt, want, got): two greedy continuations of the prompt. Where they
+    part, the logit of want's token beats got's by at most `near_tie` (a near-tie rounding
+    may flip, not a wrong token). `logits_at(seq, num_prompt, position)`: the logits row at
+    `position` of `seq` (its first `num_prompt` tokens prefilled). Returns how many parted."""
+    parted = 0
+    for prompt, want, got in runs:
+        d = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
+        if d is None:
+            continue
+        parted += 1
+        row = logits_at([*prompt, *want], len(prompt), len(prompt) - 1 + d)
+        assert row[want[d]] - row[got[d]] <= near_tie, (d, list(want), list(got))
+    return parted
+
+
+CHAT_QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
+                  "How do I sort a list in Python?")
+
+
+def assert_chats_part_only_at_near_ties(
+    reference: LLM, subject: LLM, params: SamplingParams, near_tie: float,
+    logits_at: LogitsAt,
+) -> None:
+    """Greedy chats of a reduced format (`subject`) against its `reference` part only at
+    near-ties of the reference's logits (`assert_parts_only_at_near_ties`), and not every
+    chat parts."""
+    chats = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS]
+    runs = [(list(ref.prompt_token_ids), ref.outputs[0].token_ids, out.outputs[0].token_ids)
+            for ref, out in zip(reference.chat(chats, params), subject.chat(chats, params),
+                                strict=True)]
+    assert assert_parts_only_at_near_ties(runs, near_tie, logits_at) < len(chats)
+    subject.engine.check_integrity()

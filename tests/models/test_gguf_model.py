@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from helpers.exactness import teacher_forced_logits
+from helpers.exactness import assert_chats_part_only_at_near_ties, teacher_forced_logits
 from helpers.tiny_models import make_tiny_hf_folder, write_tiny_gguf
 
 from kvstack import LLM, SamplingParams
@@ -101,24 +101,9 @@ def test_embedded_gguf_kernels_close_to_dequantized_reference(reference: LLM) ->
     assert agreement >= EMBEDDED_ARGMAX_AGREEMENT
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    chats = [[{"role": "user", "content": q}] for q in (
-        "What is the capital of France?", "Write a haiku about the sea.",
-        "How do I sort a list in Python?")]
-    parted = 0
-    for ref_out, out in zip(reference.chat(chats, params), llm.chat(chats, params),
-                            strict=True):
-        want_ids, got_ids = ref_out.outputs[0].token_ids, out.outputs[0].token_ids
-        pairs = enumerate(zip(want_ids, got_ids, strict=True))
-        d = next((i for i, (a, b) in pairs if a != b), None)
-        if d is None:
-            continue
-        parted += 1
-        prompt = list(ref_out.prompt_token_ids)
-        row = teacher_forced_logits(reference.engine, [prompt + want_ids],
-                                    [len(prompt)])[0][len(prompt) - 1 + d]
-        assert row[want_ids[d]] - row[got_ids[d]] <= NEAR_TIE, (d, want_ids, got_ids)
-    assert parted < len(chats)
-    llm.engine.check_integrity()
+    assert_chats_part_only_at_near_ties(
+        reference, llm, params, NEAR_TIE,
+        lambda seq, n, pos: teacher_forced_logits(reference.engine, [seq], [n])[0][pos])
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = ("gemv.c", "ops.c", "gguf.c", "gguf_x8.c", "gemma_step.c")
 # included by the sources from their own folder; part of the cache key
-HEADERS = ("avx2.h", "half.h")
+HEADERS = ("avx2.h", "half.h", "products.h")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {

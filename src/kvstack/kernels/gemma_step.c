@@ -15,20 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-void gemv_f32(const float *, int64_t, int64_t, const float *, int64_t, const float *,
-              const float *, float *, int);
-void gemv_bf16(const float *, int64_t, int64_t, const uint16_t *, int64_t, const float *,
-               const float *, float *, int);
-void gemv_i8(const float *, int64_t, int64_t, const int8_t *, int64_t, const float *,
-             const float *, float *, int);
-void gemv_q8(const float *, int64_t, int64_t, const int8_t *, int64_t, const float *,
-             const float *, float *, int);
-void gemv_bf16dp(const float *, int64_t, int64_t, const uint16_t *, int64_t, const float *,
-                 const float *, float *, int);
-int gguf_gemv(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n,
-              const float *bias, float *y, int threads);
-int gguf_gemv_x8(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w,
-                 int64_t n, const float *bias, float *y, int threads);
+#include "products.h"
+
 void rope_f32(float *x, int64_t rows, int64_t stride, int64_t heads, int64_t dim,
               const float *cos, const float *sin);
 void store_kv_f32(const float *k, const float *v, int64_t rows, int64_t stride,

@@ -5,6 +5,7 @@
  */
 #include "avx2.h"
 #include "half.h"
+#include "products.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -658,21 +659,6 @@ DEFINE_STORE_KV_QUANT(bf16, uint16_t)
  * where the reference rounds. */
 typedef void (*gemv_fn)(const float *, int64_t, int64_t, const void *, int64_t, const float *,
                         const float *, float *, int);
-void gemv_f32(const float *, int64_t, int64_t, const float *, int64_t, const float *,
-              const float *, float *, int);
-void gemv_bf16(const float *, int64_t, int64_t, const uint16_t *, int64_t, const float *,
-               const float *, float *, int);
-void gemv_i8(const float *, int64_t, int64_t, const int8_t *, int64_t, const float *,
-             const float *, float *, int);
-void gemv_q8(const float *, int64_t, int64_t, const int8_t *, int64_t, const float *,
-             const float *, float *, int);
-void gemv_bf16dp(const float *, int64_t, int64_t, const uint16_t *, int64_t, const float *,
-                 const float *, float *, int);
-int gguf_gemv(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n,
-              const float *bias, float *y, int threads);
-
-int gguf_gemv_x8(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w,
-                 int64_t n, const float *bias, float *y, int threads);
 
 /* Lin.kind at or above this: GGUF blocks (gguf.c) of ggml type kind - GGUF_KIND; at or above
  * GGUF_X8_KIND, blocks in the x8 layout (gguf_x8.c) of type kind - GGUF_X8_KIND. */
