@@ -479,6 +479,31 @@ def test_report_rewrites_only_the_marked_section(
     assert readme.read_text() == text
 
 
+def test_report_gives_one_table_per_results_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A `bench peers --isa avx2` run in its own folder becomes a second table beside the
+    default run's, naming its kernels; its plot is copied under its folder's name."""
+    readme, plots = tmp_path / "README.md", tmp_path / "docs" / "bench"
+    readme.write_text(README)
+    first, second = tmp_path / "results", tmp_path / "avx2"
+    fake_result(first, "peers", "peers.png", 0.5)
+    fake_result(second, "peers", "peers.png", 0.7)
+    record = json.loads((second / "peers.json").read_text())
+    record["config"]["kernels"] = {"isa": "avx2"}
+    (second / "peers.json").write_text(json.dumps(record))
+    code, lines, _ = bench(capsys, "report", "--out", str(first), "--out", str(second),
+                           "--readme", str(readme), "--plots-dir", str(plots))
+    assert code == 0 and "2 cases (peers; peers)" in lines[0]
+    section = readme.read_text().split(report.START)[1].split(report.END)[0]
+    tables = section.split("Measured ")
+    assert len(tables) == 3 and section.count("| case | workload |") == 2
+    assert "C kernels" not in tables[1] and "; C kernels avx2;" in tables[2]
+    assert "[peers](docs/bench/peers.png)" in tables[1]
+    assert "[avx2-peers](docs/bench/avx2-peers.png)" in tables[2]
+    assert sorted(p.name for p in plots.iterdir()) == ["avx2-peers.png", "peers.png"]
+
+
 @pytest.mark.parametrize(
     ("readme_text", "with_results", "mentions"),
     [

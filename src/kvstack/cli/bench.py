@@ -109,9 +109,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "report", help="rewrite the README's benchmark section from the JSON in --out",
         description="Read <out>/<case>.json of every case that ran, copy their plots to "
         "--plots-dir and rewrite the part of --readme between <!-- bench:start --> and "
-        "<!-- bench:end --> with a table of the results (date, machine, threads, load).")
-    report.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
-                        help="folder holding the cases' JSON and plots")
+        "<!-- bench:end --> with a table of the results (date, machine, threads, load); "
+        "--out given again adds one table per folder, in order.")
+    report.add_argument("--out", type=Path, action="append", default=None, metavar="DIR",
+                        help="folder holding the cases' JSON and plots (default bench-results); "
+                        "again for another table, e.g. a `bench peers --isa avx2` run's folder")
     report.add_argument("--readme", type=Path, default=Path("README.md"), metavar="FILE",
                         help="the Markdown file whose benchmark section is rewritten")
     report.add_argument("--plots-dir", type=Path, default=Path("docs/bench"), metavar="DIR",
@@ -182,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
     if args.case == "report":
         from kvstack.bench.report import write_report
 
-        print(write_report(args.out, args.readme, args.plots_dir, list(CASES)))
+        outs = args.out or [Path("bench-results")]
+        print(write_report(outs, args.readme, args.plots_dir, list(CASES)))
         return 0
     from kvstack.bench.common import BenchOptions, Subject, check_dependencies, report
 
