@@ -105,6 +105,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                      description="Run " + ", ".join(ALL_CASES) + " in order, loading the model "
                      "once (`cluster` runs on its own).",
                      parents=[shared, peer_batch])
+    _add_report_parser(cases)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _add_report_parser(cases: Any) -> None:
     report = cases.add_parser(
         "report", help="rewrite the README's benchmark section from the JSON in --out",
         description="Read <out>/<case>.json of every case that ran, copy their plots to "
@@ -118,8 +124,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="the Markdown file whose benchmark section is rewritten")
     report.add_argument("--plots-dir", type=Path, default=Path("docs/bench"), metavar="DIR",
                         help="where the plots are copied, to be committed with the README")
-    parser.set_defaults(run=run)
-    return parser
 
 
 def _url_flags() -> argparse.ArgumentParser:
