@@ -491,6 +491,7 @@ def test_report_gives_one_table_per_results_folder(
     fake_result(second, "peers", "peers.png", 0.7)
     record = json.loads((second / "peers.json").read_text())
     record["config"]["kernels"] = {"isa": "avx2"}
+    record["config"]["model"] = "gemma3-270m"
     (second / "peers.json").write_text(json.dumps(record))
     code, lines, _ = bench(capsys, "report", "--out", str(first), "--out", str(second),
                            "--readme", str(readme), "--plots-dir", str(plots))
@@ -499,6 +500,7 @@ def test_report_gives_one_table_per_results_folder(
     tables = section.split("Measured ")
     assert len(tables) == 3 and section.count("| case | workload |") == 2
     assert "C kernels" not in tables[1] and "; C kernels avx2;" in tables[2]
+    assert "gemma3-270m" not in tables[1] and "(UTC) with gemma3-270m on " in tables[2]
     assert "[peers](docs/bench/peers.png)" in tables[1]
     assert "[avx2-peers](docs/bench/avx2-peers.png)" in tables[2]
     assert sorted(p.name for p in plots.iterdir()) == ["avx2-peers.png", "peers.png"]

@@ -131,7 +131,10 @@ def _provenance(results: Sequence[dict[str, Any]]) -> str:
     kernels = sorted({str(k["isa"]) for data in results
                       if isinstance(k := data["config"].get("kernels"), dict) and k.get("isa")})
     ran = f"; C kernels {', '.join(kernels)}" if kernels else ""
-    return (f"Measured {when} (UTC) on {'; '.join(machines)}{ran}; git commit of kvstack "
+    models = sorted({str(data["config"].get("model")) for data in results
+                     if data["config"].get("model")})
+    model = f"with {', '.join(models)} " if models else ""
+    return (f"Measured {when} (UTC) {model}on {'; '.join(machines)}{ran}; git commit of kvstack "
             f"(-dirty: with uncommitted changes): {at}. The load column is the machine's "
             "1-minute load average when each case finished: above the CPU count, other jobs "
             "shared the cores and the timings are noisy (ratios within one case are measured in "
