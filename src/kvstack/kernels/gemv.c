@@ -466,8 +466,105 @@ static inline __m256 load8_i8(const int8_t *p) {
         }                                                                                      \
     }
 
+/* bf16 weights: widening costs little, so with one accumulator a lone W row (decode reads
+ * short rows one after another) waited on each FMA's latency: 4 cycles per 8 weights, about 4
+ * bytes a cycle, half the memory's pace on 2 cores. Each (x row, W row) sum is therefore kept
+ * as SPLIT partial sums over interleaved 8-wide chunks (chunk c into part c % SPLIT, in
+ * increasing order), added as (p0 + p1) + (p2 + p3). A lone row runs the parts side by side;
+ * blocks of several rows run them one after another (the block's rows stay in L1, so memory
+ * is still read once), which keeps their registers as they were and gives the same bits. */
+#define SPLIT 4
+
+/* x and W chunk ch of R x rows and NB W rows (zero-padded past k) into acc. */
+#define CHUNK8(WT, LOAD, R, NB, ch, acc)                                                       \
+    do {                                                                                       \
+        const int64_t i_ = (ch) * 8;                                                           \
+        __m256 xv_[R];                                                                         \
+        for (int r = 0; r < R; r++) {                                                          \
+            if (i_ + 8 <= k) {                                                                 \
+                xv_[r] = _mm256_loadu_ps(x + r * k + i_);                                      \
+            } else {                                                                           \
+                float xt_[8] = {0};                                                            \
+                memcpy(xt_, x + r * k + i_, sizeof(float) * (size_t)(k - i_));                 \
+                xv_[r] = _mm256_loadu_ps(xt_);                                                 \
+            }                                                                                  \
+        }                                                                                      \
+        for (int j = 0; j < NB; j++) {                                                         \
+            __m256 wv_;                                                                        \
+            if (i_ + 8 <= k) {                                                                 \
+                wv_ = LOAD(w + j * k + i_);                                                    \
+            } else {                                                                           \
+                WT wt_[8] = {0};                                                               \
+                memcpy(wt_, w + j * k + i_, sizeof(WT) * (size_t)(k - i_));                    \
+                wv_ = LOAD(wt_);                                                               \
+            }                                                                                  \
+            for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(xv_[r], wv_, acc[r][j]);   \
+        }                                                                                      \
+    } while (0)
+
+/* Chunk i of x and W (zero-padded past k), an 8-wide product added to acc. */
+static inline __m256 chunk8_bf16(const float *x, const uint16_t *w, int64_t k, int64_t i,
+                                 __m256 acc) {
+    if (i + 8 <= k) return _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load8_bf16(w + i), acc);
+    float xt[8] = {0};
+    uint16_t wt[8] = {0};
+    memcpy(xt, x + i, sizeof(float) * (size_t)(k - i));
+    memcpy(wt, w + i, sizeof(uint16_t) * (size_t)(k - i));
+    return _mm256_fmadd_ps(_mm256_loadu_ps(xt), load8_bf16(wt), acc);
+}
+
+/* One x row against one W row: part[c] holds chunks c, c + SPLIT, ... in order. */
+static inline void lone_row_bf16(const float *x, int64_t k, const uint16_t *w, __m256 *part) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 8 * SPLIT <= k; i += 8 * SPLIT) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load8_bf16(w + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), load8_bf16(w + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), load8_bf16(w + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), load8_bf16(w + i + 24), a3);
+    }
+    if (i < k) a0 = chunk8_bf16(x, w, k, i, a0); /* up to SPLIT chunks remain, the last partial */
+    if (i + 8 < k) a1 = chunk8_bf16(x, w, k, i + 8, a1);
+    if (i + 16 < k) a2 = chunk8_bf16(x, w, k, i + 16, a2);
+    if (i + 24 < k) a3 = chunk8_bf16(x, w, k, i + 24, a3);
+    part[0] = a0, part[1] = a1, part[2] = a2, part[3] = a3;
+}
+
+/* The split blocks (bf16 only: a lone row takes lone_row_bf16). */
+#define DEFINE_BLOCK8S(SUF, WT, LOAD, R, NB)                                                   \
+    static inline void block_##SUF##_##R##_##NB(const float *x, int64_t k, const WT *w,      \
+                                               float out[R][NB]) {                            \
+        const int64_t nc = (k + 7) / 8;                                                        \
+        __m256 part[SPLIT][R][NB];                                                             \
+        for (int c = 0; c < SPLIT; c++)                                                        \
+            for (int r = 0; r < R; r++)                                                        \
+                for (int j = 0; j < NB; j++) part[c][r][j] = _mm256_setzero_ps();              \
+        if (R * NB == 1) { /* a lone row: the SPLIT chains side by side */                     \
+            lone_row_bf16(x, k, (const uint16_t *)w, (__m256 *)part);                          \
+        } else {                                                                               \
+            for (int c = 0; c < SPLIT; c++) {                                                  \
+                __m256 acc[R][NB];                                                             \
+                for (int r = 0; r < R; r++)                                                    \
+                    for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();              \
+                for (int64_t ch = c; ch < nc; ch += SPLIT) CHUNK8(WT, LOAD, R, NB, ch, acc);   \
+                for (int r = 0; r < R; r++)                                                    \
+                    for (int j = 0; j < NB; j++) part[c][r][j] = acc[r][j];                    \
+            }                                                                                  \
+        }                                                                                      \
+        for (int r = 0; r < R; r++)                                                            \
+            for (int j = 0; j < NB; j++)                                                       \
+                out[r][j] = hsum8(_mm256_add_ps(_mm256_add_ps(part[0][r][j], part[1][r][j]),   \
+                                                _mm256_add_ps(part[2][r][j], part[3][r][j]))); \
+    }
+
+#define DEFINE_BLOCKS8S(SUF, WT, LOAD)                                                         \
+    DEFINE_BLOCK8S(SUF, WT, LOAD, 1, 8) DEFINE_BLOCK8S(SUF, WT, LOAD, 2, 4)                    \
+    DEFINE_BLOCK8S(SUF, WT, LOAD, 3, 2) DEFINE_BLOCK8S(SUF, WT, LOAD, 4, 2)                    \
+    DEFINE_BLOCK8S(SUF, WT, LOAD, 1, 1) DEFINE_BLOCK8S(SUF, WT, LOAD, 2, 1)                    \
+    DEFINE_BLOCK8S(SUF, WT, LOAD, 3, 1) DEFINE_BLOCK8S(SUF, WT, LOAD, 4, 1)
+
 DEFINE_BLOCKS8(f32, float, load8_f32)
-DEFINE_BLOCKS8(bf16, uint16_t, load8_bf16)
+DEFINE_BLOCKS8S(bf16, uint16_t, load8_bf16)
 DEFINE_BLOCKS8(i8, int8_t, load8_i8)
 
 DEFINE_GEMV8(gemv_f32, f32, float)
