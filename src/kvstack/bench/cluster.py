@@ -19,7 +19,7 @@ what the whole trace sustains: on a 2-core machine cache-aware served 0.46-0.50 
 over 240 requests against a probed 0.77-1.05, so the default load there already overloads both
 policies; `--rate` pins the rate for a sweep. The engine's own prefill and decode rates are
 measured too (to calibrate `--simulate`, which runs the scorer on 16-256 simulated replicas:
-`cluster_sim`).
+`cluster_sim`; `--simulate --pd` the prefill:decode simulator: `cluster_pd_sim`).
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ QUICK_RUNS = (RUNS[0], RUNS[3], RUNS[5])
 
 
 def run(subject: Subject, options: BenchOptions) -> CaseResult:
+    if options.simulate and options.pd:
+        from kvstack.bench.cluster_pd_sim import run_pd_simulation
+
+        return run_pd_simulation(subject, options)
     if options.simulate:
         return run_simulation(subject, options)
     if options.pd:

@@ -72,7 +72,7 @@ def calibrate(subject: Subject, options: BenchOptions) -> tuple[dict[str, float]
             "threads": options.threads}, layout
 
 
-def _rates(subject: Subject, options: BenchOptions) -> tuple[dict[str, float], str]:
+def machine_rates(subject: Subject, options: BenchOptions) -> tuple[dict[str, float], str]:
     """This machine's rates: from a real `bench cluster` run in --out, else measured now."""
     path = options.out / "cluster.json"
     if path.exists():
@@ -85,7 +85,7 @@ def _rates(subject: Subject, options: BenchOptions) -> tuple[dict[str, float], s
 
 
 def run_simulation(subject: Subject, options: BenchOptions) -> CaseResult:
-    rates, source = _rates(subject, options)
+    rates, source = machine_rates(subject, options)
     kv_blocks = subject.kv_shape().num_blocks_for_budget(2**30)  # a 1 GiB pool per replica
     cost = CostModel(prefill_tokens_per_s=rates["prefill_tokens_per_s"],
                      decode_tokens_per_s=rates["decode_tokens_per_s"], kv_blocks=kv_blocks)

@@ -31,7 +31,8 @@ CASES = {
     "verify": "verified drafts: semantic cache off/trust/verify, acceptance over labelled "
               "pairs, prompt lookup on quoting and non-quoting answers",
     "cluster": "routing policies on a 2-replica Ray Serve cluster (hit rate by source, TTFT, "
-               "TPOT, throughput, imbalance, decision time); --simulate: 16-256 replicas",
+               "TPOT, throughput, imbalance, decision time); --simulate: 16-256 replicas; "
+               "--pd: prefill/decode disaggregation (with --simulate: the best ratio)",
     "ui": "what the live view (/ui) costs: decode tok/s with 0 vs 5 open pages, snapshot time",
     "parallel": "n=8 samples sharing a 1,000-token prompt's KV vs 8 separate requests: peak "
                 "KV bytes and wall time",
@@ -161,24 +162,31 @@ def _cluster_flags() -> argparse.ArgumentParser:
     cluster = argparse.ArgumentParser(add_help=False)
     cluster.add_argument("--simulate", action="store_true",
                          help="drive the pure scorer on simulated clusters (16-256 replicas, "
-                         "costs calibrated on this machine) instead of a real 2-replica one")
+                         "costs calibrated on this machine) instead of a real 2-replica one; "
+                         "with --pd: the best prefill:decode ratio and the network the KV "
+                         "handoff needs, on simulated clusters")
     cluster.add_argument("--pd", action="store_true",
                          help="1 prefill + 1 decode replica against 2 colocated ones, on one "
-                         "seeded trace of chat turns and long documents (TTFT, TPOT per class)")
+                         "seeded trace of chat turns and long documents (TTFT, TPOT per class); "
+                         "with --simulate: P prefill + N-P decode replicas, modelled")
     cluster.add_argument("--policies", type=name_list(CLUSTER_RUNS, "policy"), default=None,
                          metavar="LIST", help="comma-separated runs, from "
                          f"{', '.join(CLUSTER_RUNS)} (default: all; --quick: round-robin, "
                          "cache-aware, cache-aware+redis)")
     cluster.add_argument("--requests", type=positive_int, default=None, metavar="N",
-                         help="requests in the trace (default 120; --simulate 100000)")
+                         help="requests in the trace (default 120; --simulate 100000; "
+                         "--simulate --pd 40 per replica)")
     cluster.add_argument("--load", type=positive_float, default=None, metavar="X",
                          help="arrival rate as a fraction of the cluster's probed capacity "
-                         "with every prefix computed once (default 0.8; above 1 overloads)")
+                         "with every prefix computed once (default 0.8; above 1 overloads; "
+                         "--simulate --pd: of the colocated cluster's modelled capacity, "
+                         "default 0.7)")
     cluster.add_argument("--rate", type=positive_float, default=None, metavar="R",
                          help="arrival rate in requests/s, instead of --load's fraction of "
                          "the probed capacity (the probe still runs and is reported)")
     cluster.add_argument("--sim-replicas", type=positive_int, nargs="+", default=None,
-                         metavar="N", help="--simulate: replica counts (default 16 64 256)")
+                         metavar="N", help="--simulate: replica counts (default 16 64 256; "
+                         "--quick 16)")
     cluster.add_argument("--sim-tenants", type=positive_int, nargs="+", default=None,
                          metavar="N", help="--simulate: tenant counts (default 8 32)")
     return cluster
