@@ -1,5 +1,5 @@
 """How close decode attention runs to the machine's bandwidth: `python -m
-kvstack.kernels.attention_bench`.
+kvstack.bench.attention_kernel`.
 
 For each layout (SmolLM2's GQA: 9 query heads over 3 KV heads of 64; Gemma 3's MQA: 4 over 1
 of 256), KV dtype and context, one sequence's query attends over `--layers` layers' caches in
