@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvstack import LLM, SamplingParams
 from kvstack.kernels import build, isa
+from kvstack.kernels import linear as linear_module
 from kvstack.kernels import ops as kops
 from kvstack.kernels.linear import INT8_KERNEL_ROWS, Linear, quantize_int8
 from kvstack.models.llama import rms_norm
@@ -73,6 +74,40 @@ def test_int8_linear_is_the_dequantized_product(rows: int, k: int, n: int) -> No
     assert ((lin(big).double() - expected).abs()
             <= 2**-8 * expected.abs() + 1e-5 * (1 + exact.abs().max())).all()
     assert not torch.allclose(lin(big).double(), exact, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("count", [1, 31, 32, 33, 255, 16384 * 2 + 77])
+def test_int8_codes_widen_to_bf16_exactly(count: int) -> None:
+    """The C widening of int8 codes (the bf16 products' weight tiles): every code, any length
+    (whole vectors, the scalar tail, chunks split between threads)."""
+    gen = torch.Generator().manual_seed(count)
+    codes = torch.randint(-128, 128, (count,), generator=gen, dtype=torch.int8)
+    codes[:255] = torch.arange(-127, 128, dtype=torch.int8)[:count]
+    out = torch.full((count + 1,), 7.0, dtype=torch.bfloat16)  # one guard value past the end
+    build.load().widen_i8_bf16(codes.data_ptr(), out.data_ptr(), count, 2)
+    assert torch.equal(out[:count], codes.to(torch.bfloat16))
+    assert out[count] == 7.0
+
+
+def test_int8_bf16_products_in_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight wider than the scratch buffer is widened a tile of output rows at a time (here
+    16 rows, the last tile partial); every tile's columns are the codes' product."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(203, 130, generator=gen) * 0.05
+    bias = torch.randn(203, generator=gen)
+    lin = Linear(w, bias, torch.float32, quantization="int8")
+    lin.bf16_prefill = True
+    x = torch.randn(INT8_KERNEL_ROWS + 3, 130, generator=gen)
+    whole = lin(x)
+    monkeypatch.setattr(linear_module, "SCRATCH_WEIGHTS", 130 * 16)
+    tiled = lin(x)
+    expected = (x.bfloat16().double() @ lin.weight.double().T) * lin.scale.double() + bias
+    for y in (whole, tiled):
+        assert ((y.double() - expected).abs() <= 2**-8 * (expected - bias).abs() + 1e-5).all()
+    other = Linear(w.flip(0), None, torch.float32, quantization="int8")
+    other.bf16_prefill = True
+    other(x)  # reuses the scratch buffer: an output already returned is its own tensor
+    assert torch.equal(tiled, lin(x))
 
 
 def _block_quantized(x: torch.Tensor, block: int = 64) -> torch.Tensor:

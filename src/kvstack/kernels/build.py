@@ -63,6 +63,8 @@ _SUFFIXES = {"gemv": ("f32", "bf16", "i8", "q8", "bf16dp")}
 # Functions without dtype variants: name -> (argtypes, restype).
 _PLAIN: dict[str, tuple[list[Any], Any]] = {
     "kvstack_gemv_isa": ([], ctypes.c_char_p),
+    # src, dst, count, threads
+    "widen_i8_bf16": ([_P, _P, _I64, _INT], None),
     # type, bytes_out
     "gguf_block_size": ([_INT, _P], _I64),
     # type, x, rows, k, w, n, bias, y, threads
