@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from kvstack import LLM, SamplingParams
 from kvstack.errors import InvalidRequestError, UnsupportedModelError
+from kvstack.kernels import build, isa
 from kvstack.models.gemma3 import Gemma3ForCausalLM
 from kvstack.models.gemma3_config import FULL, SLIDING, Gemma3Config, gemma3_config
 from kvstack.weights import load_checkpoint
@@ -183,3 +184,16 @@ def test_int8_kv_cache_stays_near_the_float_logits(tiny_dir: Path) -> None:
     got = teacher_forced_logits(llm.engine, seqs, num_prompt)
     err = (got[0] - want[0]).abs().max().item()
     assert 0 < err < 0.15
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_quantized_prefill_attends_in_bf16_where_its_products_do(
+        tiny_dir: Path, quantization: str | None) -> None:
+    """As for Llama (`kernels.linear.prefill_attention_dtype`): int8 weights whose prefill
+    products round to bf16 attend in bf16 too; float weights keep the model dtype."""
+    llm = tiny_llm(tiny_folder(tiny_dir, VARIANTS[0]), quantization=quantization)
+    bf16 = quantization is not None and isa.fast_bf16_matmul() and build.load() is not None
+    assert llm.engine.model.prefill_dtype == (torch.bfloat16 if bf16 else None)
+    out = llm.generate([{"prompt_token_ids": sequences([20])[0]}],
+                       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3

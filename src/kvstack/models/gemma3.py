@@ -31,7 +31,7 @@ from kvstack.kernels.gemma_step import (
     step_supported,
 )
 from kvstack.kernels.gguf import GGUFLinear
-from kvstack.kernels.linear import Linear
+from kvstack.kernels.linear import Linear, prefill_attention_dtype
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.layers.attention import (
     AttentionMetadata,
@@ -144,6 +144,9 @@ class Gemma3ForCausalLM:
             layer.o = build.fused([a + "o_proj.weight"])
             layer.gate_up = build.fused([m + "gate_proj.weight", m + "up_proj.weight"])
             layer.down = build.fused([m + "down_proj.weight"])
+        # quantized weights' prefill attends in bf16 as its products do (engine/steps.py reads it)
+        self.prefill_dtype = prefill_attention_dtype(self.dtype, (
+            lin for ly in self.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)))
 
     @property
     def num_weight_bytes(self) -> int:
