@@ -499,6 +499,11 @@ static inline __m256 load8_i8(const int8_t *p) {
  * blocks of several rows run them one after another (the block's rows stay in L1, so memory
  * is still read once), which keeps their registers as they were and gives the same bits. */
 #define SPLIT 4
+/* A lone row also prefetches its weights this many elements (2 KB) ahead: decode reads the
+ * short rows of a block one after another, and without it the hardware prefetcher left the
+ * 30 layers' products at 15.4 GB/s (2 threads, from memory) against 20.5 with it (512-4,096
+ * elements ahead: 19.6-20.5). */
+#define BF16_AHEAD 1024
 
 /* x and W chunk ch of R x rows and NB W rows (zero-padded past k) into acc. */
 #define CHUNK8(WT, LOAD, R, NB, ch, acc)                                                       \
@@ -543,6 +548,7 @@ static inline void lone_row_bf16(const float *x, int64_t k, const uint16_t *w, _
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t i = 0;
     for (; i + 8 * SPLIT <= k; i += 8 * SPLIT) {
+        _mm_prefetch((const char *)(w + i + BF16_AHEAD), _MM_HINT_T0);
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load8_bf16(w + i), a0);
         a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), load8_bf16(w + i + 8), a1);
         a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), load8_bf16(w + i + 16), a2);
