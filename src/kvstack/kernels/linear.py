@@ -53,11 +53,12 @@ BF16_NO_DOT_KERNEL_ROWS = 64
 # at 16 / 32 / 64 / 128 rows against 0.60 / 0.71 / 1.2 / 1.6 ms.
 INT8_BF16_KERNEL_ROWS = 24
 
-# The int8 codes' bf16 products widen at most this many weights at a time (4 MB of bf16, about
-# a core's L2 here) into a per-thread scratch buffer, which the matmul then reads from cache.
-# Measured (Xeon with AMX, 2 threads, the embedded model's 49,152 x 576 head at 32 rows):
-# 9.3 ms widened whole, 5.6 ms in tiles of 1,536-6,144 rows, 6.4 / 8.0 ms in 1,024 / 512; one
-# 32-row step's layers 52 ms with PyTorch's int8 -> bf16 copy, 32 ms with these tiles.
+# The int8 codes' bf16 products widen at most this many weights at a time (4 MB of bf16, the
+# two cores' L2 here) into a per-thread scratch buffer, which the matmul then reads from cache.
+# Measured (Xeon with AMX, 2 threads, one-off timings, the embedded model's 49,152 x 576 head
+# at 32 rows): 9.3 ms widened whole, 5.6 ms in tiles of 1,536-6,144 rows, 6.4 / 8.0 ms in
+# 1,024 / 512. The 30 layers' products alone at 32 rows: 52 ms with PyTorch's int8 -> bf16
+# copy, 32 ms with these tiles; a whole 32-row decode step of `LLM.generate` 72 -> 67-70 ms.
 SCRATCH_WEIGHTS = 1 << 21
 _scratch = threading.local()
 
@@ -178,7 +179,7 @@ class Linear:
     def _widened(self, lo: int, hi: int) -> torch.Tensor:
         """Weight rows lo:hi as bf16 [hi - lo, in], in this thread's scratch buffer (valid
         until the next call)."""
-        if self._widen_codes is None:  # no C kernels (tests force this path anywhere)
+        if self._widen_codes is None:  # no C kernels: bf16_prefill was set by hand
             return self.weight[lo:hi].to(torch.bfloat16)
         count = (hi - lo) * self.in_features
         buf = getattr(_scratch, "buf", None)
