@@ -132,7 +132,8 @@ def test_describe_names_the_implementation_and_its_flags(kernel_isa: str) -> Non
     assert info["setting"] == kernel_isa and info["isa"] == kernel_isa
     assert info["compile_flags"] == list(isa.compile_flags(kernel_isa))
     assert build.library_path(kernel_isa).parent.name.startswith(f"{kernel_isa}-")
-    assert info["dot_products"] == {"vnni": build.has_vnni(), "bf16": build.has_bf16_dot()}
+    assert info["dot_products"] == {"vnni": build.has_vnni(), "bf16": build.has_bf16_dot(),
+                                    "amx": build.has_amx()}
     assert kernels_text(info).startswith(f"C kernels {kernel_isa}")
 
 
@@ -146,6 +147,10 @@ def test_the_bench_summary_names_the_kernels_and_the_cpu_flags() -> None:
     native = forced_avx2 | {"isa": "avx512", "dot_products": {"vnni": True, "bf16": False}}
     assert kernels_text(native) == ("C kernels avx512 with VNNI dot products (CPU: AVX-512 "
                                     "yes, VNNI yes, BF16 no, AMX no)")
+    tiles = native | {"dot_products": {"vnni": True, "bf16": True, "amx": True},
+                      "cpu": cpu_flags | {"avx512_bf16": True, "amx": True}}
+    assert kernels_text(tiles) == ("C kernels avx512 with VNNI+BF16+AMX dot products (CPU: "
+                                   "AVX-512 yes, VNNI yes, BF16 yes, AMX yes)")
 
 
 @x86_only

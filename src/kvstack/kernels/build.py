@@ -32,9 +32,9 @@ from kvstack.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("gemv.c", "ops.c", "gguf.c", "gguf_x8.c", "gemma_step.c")
+SOURCES = ("gemv.c", "gemm_q8.c", "ops.c", "gguf.c", "gguf_x8.c", "gemma_step.c")
 # included by the sources from their own folder; part of the cache key
-HEADERS = ("avx2.h", "half.h", "products.h")
+HEADERS = ("avx2.h", "half.h", "products.h", "q8.h")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -65,6 +65,11 @@ _PLAIN: dict[str, tuple[list[Any], Any]] = {
     "kvstack_gemv_isa": ([], ctypes.c_char_p),
     # src, dst, count, threads
     "widen_i8_bf16": ([_P, _P, _I64, _INT], None),
+    # x, rows, k, w, n, scale, bias, y, threads -> 2 (AMX), 1 (VNNI), 0 (did not run)
+    "gemm_q8": ([_P, _I64, _I64, _P, _I64, _P, _P, _P, _INT], _INT),
+    # on (1, 0; -1: ask) -> whether gemm_q8 runs on AMX tiles
+    "q8_use_amx": ([_INT], _INT),
+    "q8_gemm_rows": ([], _INT),
     # type, bytes_out
     "gguf_block_size": ([_INT, _P], _I64),
     # type, x, rows, k, w, n, bias, y, threads
@@ -192,6 +197,7 @@ def _open(isa: str) -> ctypes.CDLL:
     built = lib.kvstack_gemv_isa().decode()
     if built != isa:  # the flags and the sources' #if disagree: a bug, never run it
         raise KernelsUnavailableError(f"C kernels for {isa}: the library holds {built} code")
+    lib.q8_use_amx(int(isas.dot_products(isa)["amx"]))
     return lib
 
 
@@ -217,6 +223,12 @@ def has_vnni() -> bool:
     """The loaded kernels use AVX512-VNNI (vpdpbusd): int8 decode runs `gemv_q8` (int8
     activations) with it. False for an AVX2 build, whatever the CPU has."""
     return isas.dot_products(isa())["vnni"]
+
+
+def has_amx() -> bool:
+    """The loaded kernels run int8 products of several rows on AMX tiles (`gemm_q8.c`)."""
+    lib = load()
+    return lib is not None and bool(lib.q8_use_amx(-1))
 
 
 def has_bf16_dot() -> bool:

@@ -14,6 +14,8 @@
 #include <immintrin.h>
 
 #include "avx2.h"
+#include "products.h"
+#include "q8.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,44 +23,12 @@
 
 /* ---- shared by both implementations ---------------------------------------------------- */
 
-/* The int8 x int8 kernels (gemv_q8) round each 64-element block of an activation row to int8
- * with its own scale, amax / 127 (zero-padded to whole blocks). */
-#define QB 64
-
 /* A thread's groups of 4 W rows follow each other in memory, but a row of the embedded
  * model's shapes is only 576-1536 bytes: the 4 short streams of a group ended before the
  * hardware prefetcher caught on, and weights from memory came at a quarter of the bandwidth
  * (3-5 GB/s against 13 on one thread). A single x row reads the 4 rows one after another,
  * each block prefetched this many groups ahead (both ISAs; also AVX-512's bf16 x bf16). */
 #define Q8_AHEAD 2
-
-/* corr (or NULL): per row, 128 * sum(x as rounded); see gemv_q8. */
-static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *xq, float *sx,
-                          float *corr) {
-    const int64_t nb = (k + QB - 1) / QB;
-    for (int64_t r = 0; r < rows; r++) {
-        float c = 0.f;
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t lo = b * QB, len = k - lo < QB ? k - lo : QB;
-            float amax = 0.f;
-            for (int64_t i = 0; i < len; i++) {
-                const float a = x[r * k + lo + i] < 0 ? -x[r * k + lo + i] : x[r * k + lo + i];
-                amax = a > amax ? a : amax;
-            }
-            const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
-            int32_t sum = 0;
-            int8_t *dst = xq + (r * nb + b) * QB;
-            for (int64_t i = 0; i < QB; i++) {
-                const int32_t q = i < len ? (int32_t)lrintf(x[r * k + lo + i] * inv) : 0;
-                dst[i] = (int8_t)q;
-                sum += q;
-            }
-            sx[r * nb + b] = s;
-            c += s * (float)sum;
-        }
-        if (corr) corr[r] = 128.f * c;
-    }
-}
 
 /* The loop both dot-product kernels below share: blocks of 4 W rows split between threads,
  * x rows 4 at a time through BLOCK_1..4(x rows, ..., w, nn, out); OFF[r] (or NULL) is subtracted
@@ -234,15 +204,31 @@ DEFINE_GEMV(gemv_i8, i8, int8_t)
  * become one vpdpbusd instead of 4 widenings, conversions and FMAs -- the int8 path stops
  * being bound by arithmetic. vpdpbusd wants unsigned x signed bytes, so the weights are fed
  * as q + 128 (q ^ 0x80) and the extra 128 * sum(x) -- the same for every output -- is
- * subtracted at the end. */
+ * subtracted at the end.
+ *
+ * Each output is sum over blocks b of s_b * D_b, D_b the block's exact int32 sum, accumulated
+ * in fp32 by one FMA per block in block order: the arithmetic of gemm_q8.c, which takes over
+ * from a few rows up with the same numbers bit for bit, so a row's result never depends on
+ * how many rows share its step. */
+
+/* The int32 totals of four vectors: [sum a, sum b, sum c, sum d]. */
+__attribute__((target("avx512f,avx512bw")))
+static inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd),
+                                       _mm512_unpackhi_epi64(ab, cd));
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
 #define DEFINE_Q8_BLOCK(R)                                                                     \
     __attribute__((target("avx512f,avx512bw,avx512vnni")))                                    \
     static inline void q8_block_##R(const int8_t *xq, const float *sx, int64_t nb, int64_t k, \
                                     const int8_t *w, int64_t nn, float out[R][4]) {            \
         const __m512i flip = _mm512_set1_epi8((char)0x80);                                    \
-        __m512 acc[R][4];                                                                      \
-        for (int r = 0; r < R; r++)                                                            \
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                       \
+        __m128 tot[R];                                                                         \
+        for (int r = 0; r < R; r++) tot[r] = _mm_setzero_ps();                                 \
         for (int64_t b = 0; b < nb; b++) {                                                     \
             const int64_t lo = b * QB;                                                         \
             const __mmask64 m = k - lo >= QB ? ~(__mmask64)0 : (((__mmask64)1 << (k - lo)) - 1); \
@@ -252,42 +238,51 @@ DEFINE_GEMV(gemv_i8, i8, int8_t)
                                : _mm512_setzero_si512();                                       \
             for (int r = 0; r < R; r++) {                                                      \
                 const __m512i xv = _mm512_loadu_si512(xq + (r * nb + b) * QB);                  \
-                const __m512 s = _mm512_set1_ps(sx[r * nb + b]);                               \
-                for (int j = 0; j < 4; j++) {                                                  \
-                    const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xv);  \
-                    acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[r][j]);          \
-                }                                                                              \
+                const __m512i z = _mm512_setzero_si512();                                      \
+                const __m128i d = reduce4(_mm512_dpbusd_epi32(z, wv[0], xv),                   \
+                                          _mm512_dpbusd_epi32(z, wv[1], xv),                   \
+                                          _mm512_dpbusd_epi32(z, wv[2], xv),                   \
+                                          _mm512_dpbusd_epi32(z, wv[3], xv));                  \
+                tot[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(d), _mm_set1_ps(sx[r * nb + b]), tot[r]); \
             }                                                                                  \
         }                                                                                      \
-        for (int r = 0; r < R; r++)                                                            \
-            for (int j = 0; j < 4; j++) out[r][j] = _mm512_reduce_add_ps(acc[r][j]);           \
+        for (int r = 0; r < R; r++) _mm_storeu_ps(out[r], tot[r]);                             \
     }
 
 /* One x row (decode): the 4 W rows one after another rather than side by side, each block
  * prefetched Q8_AHEAD groups ahead, as on AVX2 (576-byte rows side by side were 4 streams too
- * short for the hardware prefetcher). Each (x row, W row) sum takes the same operations in the
- * same order as in q8_block_2..4, so a row's result does not depend on its step's other rows. */
+ * short for the hardware prefetcher); a row's blocks summed 4 at a time, then the same FMAs in
+ * the same order as q8_block_2..4. */
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static inline void q8_block_1(const int8_t *xq, const float *sx, int64_t nb, int64_t k,
                               const int8_t *w, int64_t nn, float out[1][4]) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i flip = _mm512_set1_epi8((char)0x80), z = _mm512_setzero_si512();
     for (int j = 0; j < 4; j++) {
         if (j >= nn) {
             out[0][j] = 0.f;
             continue;
         }
         const int8_t *wr = w + j * k;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t lo = b * QB;
-            const __mmask64 m = k - lo >= QB ? ~(__mmask64)0 : (((__mmask64)1 << (k - lo)) - 1);
-            _mm_prefetch((const char *)(wr + lo + Q8_AHEAD * 4 * k), _MM_HINT_T0);
-            const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, wr + lo), flip);
-            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv,
-                                                  _mm512_loadu_si512(xq + b * QB));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sx[b]), acc);
+        __m128 tot = _mm_setzero_ps();
+        for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+            __m512i d[4];
+            for (int i = 0; i < 4; i++) {
+                const int64_t lo = (b0 + i) * QB;
+                if (b0 + i >= nb) {
+                    d[i] = z;
+                    continue;
+                }
+                const __mmask64 m = k - lo >= QB ? ~(__mmask64)0 : (((__mmask64)1 << (k - lo)) - 1);
+                _mm_prefetch((const char *)(wr + lo + Q8_AHEAD * 4 * k), _MM_HINT_T0);
+                const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, wr + lo), flip);
+                d[i] = _mm512_dpbusd_epi32(z, wv, _mm512_loadu_si512(xq + (b0 + i) * QB));
+            }
+            float f[4];
+            _mm_storeu_ps(f, _mm_cvtepi32_ps(reduce4(d[0], d[1], d[2], d[3])));
+            for (int i = 0; i < 4 && b0 + i < nb; i++)
+                tot = _mm_fmadd_ss(_mm_set_ss(f[i]), _mm_set_ss(sx[b0 + i]), tot);
         }
-        out[0][j] = _mm512_reduce_add_ps(acc);
+        out[0][j] = _mm_cvtss_f32(tot);
     }
 }
 DEFINE_Q8_BLOCK(2)
@@ -297,10 +292,11 @@ DEFINE_Q8_BLOCK(4)
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void gemv_q8(const float *x, int64_t rows, int64_t k, const int8_t *w, int64_t n,
              const float *scale, const float *bias, float *y, int threads) {
+    if (rows >= q8_gemm_rows() && gemm_q8(x, rows, k, w, n, scale, bias, y, threads)) return;
     const int64_t nb = (k + QB - 1) / QB;
     int8_t xq[rows * nb * QB];
     float sx[rows * nb], corr[rows];
-    quantize_rows(x, rows, k, xq, sx, corr);
+    q8_quantize_rows(x, rows, k, xq, sx, corr);
     DOT_PRODUCT_LOOP(q8_block, xq + r0 * nb * QB, corr, sx + r0 * nb, nb, k)
 }
 
@@ -704,7 +700,7 @@ void gemv_q8(const float *x, int64_t rows, int64_t k, const int8_t *w, int64_t n
     int8_t *xq = malloc((size_t)(rows * nb * QB));
     float *sx = malloc(sizeof(float) * (size_t)(rows * nb));
     if (xq && sx) {
-        quantize_rows(x, rows, k, xq, sx, NULL);
+        q8_quantize_rows(x, rows, k, xq, sx, NULL);
         DOT_PRODUCT_LOOP(q8_block, xq + r0 * nb * QB, (const float *)NULL, sx + r0 * nb, nb, k)
     }
     free(xq);

@@ -124,11 +124,14 @@ def check_forced(isa: str) -> None:
 
 def dot_products(isa: str | None) -> dict[str, bool]:
     """Which dot-product instructions the kernels of `isa` use on this CPU: AVX512-VNNI
-    (vpdpbusd: int8 decode's `gemv_q8`) and AVX512-BF16 (vdpbf16ps: bf16's `gemv_bf16dp`).
-    An AVX2 build uses neither, whatever the CPU has."""
+    (vpdpbusd: int8 decode's `gemv_q8`), AVX512-BF16 (vdpbf16ps: bf16's `gemv_bf16dp`) and,
+    with VNNI, AMX-INT8 (tile products: `gemm_q8.c`, int8 steps of a few rows and more). An
+    AVX2 build uses none, whatever the CPU has."""
     flags = cpu_flags()
     on = isa == "avx512"
-    return {"vnni": on and "avx512_vnni" in flags, "bf16": on and "avx512_bf16" in flags}
+    vnni = on and "avx512_vnni" in flags
+    return {"vnni": vnni, "bf16": on and "avx512_bf16" in flags,
+            "amx": vnni and "amx_int8" in flags}
 
 
 def fast_bf16_matmul() -> bool:

@@ -7,18 +7,22 @@ symmetric per output channel (w ~= q * scale[out], q in [-127, 127]); activation
 model dtype, except inside the int8 decode kernel (`gemv_q8`: on AVX512-VNNI, and on AVX2,
 not on AVX-512 without VNNI), which quantizes each 64-element block of an activation row to
 int8 (as llama.cpp's Q8 activations do) so a dot product of 64 weights is one instruction
-(VNNI) or six (AVX2's vpmaddubsw), not widenings and FMAs per 8-16 weights; bf16 models on
-AVX512-BF16 likewise multiply bf16 by bf16, 32 products an instruction. The C kernels cover
-fp32, bf16 and int8 weights; other dtypes (float64 in tests) always take PyTorch's path.
+(VNNI) or six (AVX2's vpmaddubsw), not widenings and FMAs per 8-16 weights. With VNNI, steps
+of a few rows and more hand those products to `gemm_q8.c` (output columns in the vector lanes;
+AMX tiles where the CPU has AMX-INT8), which gives the same numbers bit for bit, so int8
+steps stay on the C kernels up to `INT8_VNNI_KERNEL_ROWS` / `INT8_AMX_KERNEL_ROWS` rows.
+bf16 models on AVX512-BF16 likewise multiply bf16 by bf16, 32 products an instruction. The C
+kernels cover fp32, bf16 and int8 weights; other dtypes (float64 in tests) always take
+PyTorch's path.
 
-Prefill-sized products of int8 weights on a CPU with bf16 dot products (`isa.fast_bf16_matmul`:
-AVX512-BF16, AMX) run as PyTorch's bf16 matmul: the weight's int8 codes are exact in bf16, the
-activations are rounded to bf16 and the output once more before the per-channel scale (about
-2e-3 relative, against the int8 weights' own ~1e-2), 3-9x faster than the fp32 matmul over a
-dequantized copy. The codes are widened to bf16 by the C kernels (`widen_i8_bf16`) a tile of
-output rows at a time into a per-thread scratch buffer that stays in cache, never a bf16 copy
-of the weight. Elsewhere they take the fp32 matmul over the dequantized weight (exact).
-fp32 weights always multiply in fp32.
+Larger (prefill-sized) products of int8 weights on a CPU with bf16 dot products
+(`isa.fast_bf16_matmul`: AVX512-BF16, AMX) run as PyTorch's bf16 matmul: the weight's int8
+codes are exact in bf16, the activations are rounded to bf16 and the output once more before
+the per-channel scale (about 2e-3 relative, against the int8 weights' own ~1e-2), 3-9x faster
+than the fp32 matmul over a dequantized copy. The codes are widened to bf16 by the C kernels
+(`widen_i8_bf16`) a tile of output rows at a time into a per-thread scratch buffer that stays
+in cache, never a bf16 copy of the weight. Elsewhere they take the fp32 matmul over the
+dequantized weight (exact). fp32 weights always multiply in fp32.
 """
 
 from __future__ import annotations
@@ -52,6 +56,14 @@ BF16_NO_DOT_KERNEL_ROWS = 64
 # AMX, 2 threads, the embedded model's four layer shapes): kernel 0.50 / 0.95 / 2.4 / 4.9 ms
 # at 16 / 32 / 64 / 128 rows against 0.60 / 0.71 / 1.2 / 1.6 ms.
 INT8_BF16_KERNEL_ROWS = 24
+# ... unless the kernels run int8 steps of several rows as a matrix product (`gemm_q8.c`: VNNI,
+# and AMX tiles where the CPU has them), the same numbers as the decode kernel's, which beat
+# PyTorch's bf16 matmul over the widened codes up to these rows. Measured (Xeon with AMX, 2
+# threads, the embedded model's 30 layers and head, one-off timings): AMX 13.5 / 25.3 / 48.6 /
+# 101.5 ms at 32 / 64 / 128 / 256 rows against 38.3 / 46.8 / 63.1 / 103.7; the VNNI path 29.6 /
+# 45.7 / 80.6 at 32 / 64 / 128.
+INT8_VNNI_KERNEL_ROWS = 64
+INT8_AMX_KERNEL_ROWS = 128
 
 # The int8 codes' bf16 products widen at most this many weights at a time (4 MB of bf16, the
 # two cores' L2 here) into a per-thread scratch buffer, which the matmul then reads from cache.
@@ -129,7 +141,9 @@ class Linear:
         # the reference path (no kernels); public so tests can run either path on any CPU.
         self.bf16_prefill = self.scale is not None and lib is not None and isa.fast_bf16_matmul()
         if self.bf16_prefill:
-            self.max_kernel_rows = INT8_BF16_KERNEL_ROWS
+            self.max_kernel_rows = (INT8_AMX_KERNEL_ROWS if name == "gemv_q8" and build.has_amx()
+                                    else INT8_VNNI_KERNEL_ROWS if name == "gemv_q8"
+                                    and build.has_vnni() else INT8_BF16_KERNEL_ROWS)
 
     @property
     def num_bytes(self) -> int:

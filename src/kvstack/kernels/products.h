@@ -15,6 +15,10 @@ void gemv_q8(const float *, int64_t, int64_t, const int8_t *, int64_t, const flo
              const float *, float *, int);
 void gemv_bf16dp(const float *, int64_t, int64_t, const uint16_t *, int64_t, const float *,
                  const float *, float *, int);
+/* gemm_q8.c: gemv_q8's products for steps of several rows (returns 0 where it did not run) */
+int gemm_q8(const float *, int64_t, int64_t, const int8_t *, int64_t, const float *,
+            const float *, float *, int);
+int q8_gemm_rows(void);
 int gguf_gemv(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n,
               const float *bias, float *y, int threads);
 int gguf_gemv_x8(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w,

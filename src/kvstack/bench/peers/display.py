@@ -48,7 +48,7 @@ def kernels_text(kernels: dict[str, Any]) -> str:
     """Which C kernels ran and what the CPU has, e.g. "C kernels avx2 (CPU: AVX-512 no,
     VNNI no, BF16 no, AMX no)"; `kernels` is `kernels.build.describe()`."""
     cpu, used = kernels["cpu"], kernels["dot_products"]
-    dots = [name.upper() for name in ("vnni", "bf16") if used[name]]
+    dots = [name.upper() for name in ("vnni", "bf16", "amx") if used.get(name)]
     name = kernels["isa"] or "off (PyTorch ops)"
     return (f"C kernels {name}" + (f" with {'+'.join(dots)} dot products" if dots else "")
             + f" (CPU: AVX-512 {_yes(cpu['avx512'])}, VNNI {_yes(cpu['avx512_vnni'])}, "
