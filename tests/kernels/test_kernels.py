@@ -76,6 +76,28 @@ def test_int8_linear_is_the_dequantized_product(rows: int, k: int, n: int) -> No
     assert not torch.allclose(lin(big).double(), exact, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("k", [128, 100])
+def test_int8_activation_codes_round_ties_to_even(k: int) -> None:
+    """Bit for bit, the codes the int8 x int8 kernel rounds x to: each 64-element block's
+    scale is amax / 127 and x / scale goes to the nearest integer, ties to even, as lrintf
+    does (k = 100: a partial last block, zero-padded). W = I makes y[j] the code of x[j]
+    times its block's scale and the row's weight scale, each product one fp32 rounding."""
+    x = torch.zeros(1, k)
+    x[0, 0] = 127.0  # block 0: scale 1, so x itself is x / scale
+    x[0, 1:9] = torch.tensor([2.5, 3.5, -2.5, -3.5, 0.5, -0.5, 1.49, 126.5])
+    x[0, 64] = -63.5  # block 1 (full or partial): scale 0.5, x / scale -127
+    x[0, 65:69] = torch.tensor([1.25, 0.75, -0.25, 20.0])  # / 0.5: 2.5, 1.5, -0.5, 40
+    lin = Linear(torch.eye(k), None, torch.float32, quantization="int8")
+    assert bool((lin.weight == torch.eye(k, dtype=torch.int8) * 127).all())
+    if lin.kernel == "gemv_q8":
+        block_scale = torch.where(torch.arange(k) < 64, 1.0, 0.5)
+        codes = torch.round(x[0] / block_scale)  # torch.round: ties to even
+        expected = codes * 127 * block_scale * lin.scale
+    else:  # gemv_i8 (AVX-512 without VNNI) multiplies x as it is
+        expected = x[0] * 127 * lin.scale
+    assert torch.equal(lin(x)[0], expected)
+
+
 @pytest.mark.parametrize("count", [1, 31, 32, 33, 255, 16384 * 2 + 77])
 def test_int8_codes_widen_to_bf16_exactly(count: int) -> None:
     """The C widening of int8 codes (the bf16 products' weight tiles): every code, any length
