@@ -506,6 +506,34 @@ def test_report_gives_one_table_per_results_folder(
     assert sorted(p.name for p in plots.iterdir()) == ["avx2-peers.png", "peers.png"]
 
 
+def test_report_rewrites_a_named_section_and_leaves_the_main_one(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Another machine's runs go to their own section (`--section amd`): the main section,
+    whose JSON this machine lacks, stays as it was; every plot of a named section carries its
+    folder's name, so none overwrites the main section's."""
+    readme, plots = tmp_path / "README.md", tmp_path / "docs" / "bench"
+    text = README + "\n<!-- bench:amd:start -->\nold amd\n<!-- bench:amd:end -->\ntail\n"
+    readme.write_text(text)
+    out = tmp_path / "amd-smollm2"
+    fake_result(out, "peers", "peers.png", 1.5)
+    code, lines, _ = bench(capsys, "report", "--section", "amd", "--out", str(out),
+                           "--readme", str(readme), "--plots-dir", str(plots))
+    assert code == 0 and "section 'amd'" in lines[0]
+    new = readme.read_text()
+    assert new.split("<!-- bench:amd:start -->")[0] == text.split("<!-- bench:amd:start -->")[0]
+    assert "| old | table |" in new and "old amd" not in new and new.endswith("tail\n")
+    section = new.split("<!-- bench:amd:start -->")[1].split("<!-- bench:amd:end -->")[0]
+    assert "report --section amd --out" in section and "| `bench peers` |" in section
+    assert "[amd-smollm2-peers](docs/bench/amd-smollm2-peers.png)" in section
+    assert [p.name for p in plots.iterdir()] == ["amd-smollm2-peers.png"]
+    for name, mentions in (("zen2", "<!-- bench:zen2:start -->"), ("a b", "section name")):
+        code, lines, err = bench(capsys, "report", "--section", name, "--out", str(out),
+                                 "--readme", str(readme), "--plots-dir", str(plots))
+        assert code == 2 and lines == [] and mentions in err and err.count("\n") == 1
+    assert readme.read_text() == new
+
+
 @pytest.mark.parametrize(
     ("readme_text", "with_results", "mentions"),
     [

@@ -117,7 +117,8 @@ def _add_report_parser(cases: Any) -> None:
         description="Read <out>/<case>.json of every case that ran, copy their plots to "
         "--plots-dir and rewrite the part of --readme between <!-- bench:start --> and "
         "<!-- bench:end --> with a table of the results (date, machine, threads, load); "
-        "--out given again adds one table per folder, in order.")
+        "--out given again adds one table per folder, in order; --section NAME rewrites "
+        "the part between <!-- bench:NAME:start --> and <!-- bench:NAME:end --> instead.")
     report.add_argument("--out", type=Path, action="append", default=None, metavar="DIR",
                         help="folder holding the cases' JSON and plots (default bench-results); "
                         "again for another table, e.g. a `bench peers --isa avx2` run's folder")
@@ -125,6 +126,9 @@ def _add_report_parser(cases: Any) -> None:
                         help="the Markdown file whose benchmark section is rewritten")
     report.add_argument("--plots-dir", type=Path, default=Path("docs/bench"), metavar="DIR",
                         help="where the plots are copied, to be committed with the README")
+    report.add_argument("--section", default=None, metavar="NAME",
+                        help="rewrite the README's section NAME (its own markers), e.g. "
+                        "another machine's results beside the main section")
 
 
 def _url_flags() -> argparse.ArgumentParser:
@@ -197,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         from kvstack.bench.report import write_report
 
         outs = args.out or [Path("bench-results")]
-        print(write_report(outs, args.readme, args.plots_dir, list(CASES)))
+        print(write_report(outs, args.readme, args.plots_dir, list(CASES), args.section))
         return 0
     from kvstack.bench.common import BenchOptions, Subject, check_dependencies, report
 
