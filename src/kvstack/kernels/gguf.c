@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "half.h"
+#include "q8.h"
 
 /* ggml type ids (GGMLQuantizationType). */
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
@@ -178,10 +179,9 @@ static void decode_scalar(int type, const uint8_t *row, int64_t b, Sub *s) {
 
 /* ---- activations: rows of x -> int8 blocks of 32 ------------------------------------------ */
 
-/* xq[r, b, 0..31] = round(x / dx[r, b]), dx = amax / 127 (1 for an all-zero block); sx[r, b]
- * = dx * sum of the block's xq (for the types with a min). K is a multiple of 32. */
-/* x rows -> int8 blocks of 32 (xq), each block's scale dx = amax / 127 and sx = dx * sum(q)
- * (for the mins and offsets). Rounding to nearest, ties to even, in both paths; shared with
+/* xq[r, b, 0..31] = round(x / dx[r, b]) (to nearest, ties to even: q8.h's block rounding,
+ * as the int8 weights' activations), dx = amax / 127 (1 for an all-zero block); sx[r, b] = dx
+ * * sum of the block's xq (for the mins and offsets). K is a multiple of 32. Shared with
  * gguf_x8.c. */
 void gguf_quantize_x(const float *x, int64_t rows, int64_t k, int8_t *xq, float *dx,
                      float *sx) {
@@ -190,40 +190,8 @@ void gguf_quantize_x(const float *x, int64_t rows, int64_t k, int8_t *xq, float 
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * k + b * QK;
             int8_t *q = xq + (r * nb + b) * QK;
-#if defined(__AVX2__)
-            const __m256 sign = _mm256_set1_ps(-0.f);
-            __m256 f[4], m = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) {
-                f[i] = _mm256_loadu_ps(v + 8 * i);
-                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, f[i]));
-            }
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-            const float d = amax > 0.f ? amax / 127.f : 1.f;
-            const __m256 inv = _mm256_set1_ps(1.f / d);
-            __m256i n[4]; /* cvtps rounds as the current mode: to nearest, ties to even */
-            for (int i = 0; i < 4; i++) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv));
-            const __m256i w01 = _mm256_packs_epi32(n[0], n[1]), w23 = _mm256_packs_epi32(n[2], n[3]);
-            /* packs interleave 128-bit lanes: put the 32 bytes back in order */
-            const __m256i bytes = _mm256_permutevar8x32_epi32(
-                _mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)q, bytes);
-            __m256i t = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-            __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4e));
-            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xb1));
-            const int32_t sum = _mm_cvtsi128_si32(u);
-#else
-            float amax = 0.f;
-            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
-            const float d = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / d;
-            int32_t sum = 0;
-            for (int i = 0; i < QK; i++) {
-                q[i] = (int8_t)lrintf(v[i] * inv);
-                sum += q[i];
-            }
-#endif
+            float d;
+            const int32_t sum = q8_round_block(v, QK, q, &d);
             dx[r * nb + b] = d;
             sx[r * nb + b] = d * (float)sum;
         }
