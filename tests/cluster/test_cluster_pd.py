@@ -213,6 +213,33 @@ def test_several_samples_are_served_whole_by_a_decode_replica(cluster: PDCluster
     cluster.settle_and_check()
 
 
+def test_short_prompts_prefill_on_the_decode_replica_with_max_local_prefill(
+    cluster: PDCluster, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ids = list(cluster.reference.get_tokenizer().encode(document("loc")))
+    limit = 40
+    monkeypatch.setattr(cluster.engine, "max_local_prefill", limit)
+
+    def complete(prompt: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+        body = cluster.post("/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                "temperature": 0, "max_tokens": 10}).json()
+        assert body["choices"][0]["text"] == cluster.want(prompt, 10)
+        return body, cluster.handoffs()
+
+    prefilled = cluster.prefill["p0"].engine.engine.stats().num_prompt_tokens
+    before = cluster.handoffs()
+    _, local = complete(ids[:limit])  # at the limit: prefilled where it decodes
+    assert local["local_prefills"] == before["local_prefills"] + 1
+    assert local["count"] == before["count"]
+    assert cluster.prefill["p0"].engine.engine.stats().num_prompt_tokens == prefilled
+    _, remote = complete(ids[:limit + 1])  # one token over: through the prefill replica
+    assert remote["count"] == local["count"] + 1
+    assert remote["local_prefills"] == local["local_prefills"]
+    text = cluster.run(cluster.http.get("/metrics", headers=AUTH)).text
+    assert f"kvstack_handoff_local_prefills_total {float(remote['local_prefills'])}" in text
+    cluster.settle_and_check()
+
+
 def test_a_corrupted_handoff_is_recomputed_and_counted(cluster: PDCluster,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     real_put = cluster.courier.put

@@ -202,6 +202,7 @@ async def _one(client: httpx.AsyncClient, model: str, workload: Workload, reques
     headers = {"authorization": f"Bearer {workload.keys[request.tenant]}"}
     sent = time.perf_counter()
     first = last = None
+    gap_max = 0.0  # the longest wait between two streamed tokens
     usage: dict[str, Any] = {}
     error = None
     async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
@@ -218,6 +219,7 @@ async def _one(client: httpx.AsyncClient, model: str, workload: Workload, reques
             if any(c.get("text") for c in event.get("choices", [])):
                 now = time.perf_counter()
                 first = first or now
+                gap_max = max(gap_max, now - (last or now))
                 last = now
     completion = usage.get("completion_tokens", 0)
     return {"tenant": request.tenant, "group": request.group, "prompt_tokens":
@@ -225,5 +227,5 @@ async def _one(client: httpx.AsyncClient, model: str, workload: Workload, reques
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
             "arrival_s": request.arrival, "ttft_s": None if first is None else first - sent,
             "tpot_s": (last - first) / (completion - 1) if first and last and completion > 1
-            else None, "latency_s": time.perf_counter() - sent,
+            else None, "itl_max_s": gap_max, "latency_s": time.perf_counter() - sent,
             "done_s": time.perf_counter() - start, "error": error}

@@ -183,8 +183,9 @@ def _cluster_flags() -> argparse.ArgumentParser:
     cluster.add_argument("--load", type=positive_float, default=None, metavar="X",
                          help="arrival rate as a fraction of the cluster's probed capacity "
                          "with every prefix computed once (default 0.8; above 1 overloads; "
-                         "--simulate --pd: of the colocated cluster's modelled capacity, "
-                         "default 0.7)")
+                         "--pd: one prefill replica's busy share with the documents alone, "
+                         "default 0.5; --simulate --pd: of the colocated cluster's modelled "
+                         "capacity, default 0.7)")
     cluster.add_argument("--rate", type=positive_float, default=None, metavar="R",
                          help="arrival rate in requests/s, instead of --load's fraction of "
                          "the probed capacity (the probe still runs and is reported)")

@@ -118,6 +118,10 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                          metavar="P", help="of the N replicas, P only prefill (prompt and "
                          "first token) and hand the KV to the N - P that decode (default 0: "
                          "every replica does both)")
+    cluster.add_argument("--max-local-prefill", type=non_negative_int, default=None,
+                         metavar="TOKENS", help="with --prefill-replicas: prompts of at most "
+                         "this many tokens are prefilled on the decode replica, not handed "
+                         "over (default 0: every prompt goes through a prefill replica)")
     cluster.add_argument("--router", choices=ROUTERS, default=None,
                          help="cache-aware (default): the replica holding the longest cached "
                          "prefix, weighed against load; round-robin; pow2 (Ray Serve's default)")
@@ -175,7 +179,8 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
     if args.replicas is None:
         given = {"--router": args.router, "--ray-address": args.ray_address,
                  "--replica-threads": args.replica_threads,
-                 "--prefill-replicas": args.prefill_replicas}
+                 "--prefill-replicas": args.prefill_replicas,
+                 "--max-local-prefill": args.max_local_prefill}
         stray = [flag for flag, value in given.items() if value is not None]
         if stray:
             raise InvalidRequestError(f"{stray[0]} needs --replicas N")
@@ -183,6 +188,8 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
     if args.prefill_replicas is not None and args.prefill_replicas >= args.replicas:
         raise InvalidRequestError(f"--prefill-replicas {args.prefill_replicas} leaves no "
                                   f"decode replica of --replicas {args.replicas}; give fewer")
+    if args.max_local_prefill is not None and not args.prefill_replicas:
+        raise InvalidRequestError("--max-local-prefill needs --prefill-replicas P")
     if not args.kv_redis_url:
         # As vLLM's and SGLang's routers do: routing alone, each replica's KV its own.
         print("warning: --replicas without --kv-redis-url: replicas share no KV tier (routing "

@@ -40,6 +40,7 @@ def run_cluster(args: argparse.Namespace, keys: list[str], config: ServerConfig)
         replica_threads=threads, max_num_seqs=args.max_num_seqs,
         router=args.router or "cache-aware", api_keys=tuple(keys), server_config=config,
         num_prefill_replicas=args.prefill_replicas or 0,
+        max_local_prefill=args.max_local_prefill or 0,
     )
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     stop = threading.Event()

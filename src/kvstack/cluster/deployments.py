@@ -70,6 +70,7 @@ class ClusterSpec:
     health_check_timeout_s: float = 30.0
     oracle_pins: dict[int, int] = field(default_factory=dict)  # router "oracle" (bench)
     num_prefill_replicas: int = 0  # of num_replicas, these only prefill (`cluster/pd/`)
+    max_local_prefill: int = 0  # with prefill replicas: prompts this short prefill at decode
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -80,6 +81,10 @@ class ClusterSpec:
         if not 0 <= self.num_prefill_replicas < self.num_replicas:
             raise InvalidRequestError("--prefill-replicas must leave at least one of "
                                       "--replicas to decode")
+        if self.max_local_prefill < 0:
+            raise InvalidRequestError("--max-local-prefill must be >= 0")
+        if self.max_local_prefill and not self.num_prefill_replicas:
+            raise InvalidRequestError("--max-local-prefill needs --prefill-replicas P")
         if self.num_prefill_replicas and self.router not in POLICIES:
             raise InvalidRequestError(f"--prefill-replicas needs one of kvstack's routers "
                                       f"({', '.join(POLICIES)})")
@@ -151,7 +156,7 @@ class Ingress:
             register_view(spec.app_name, PREFILL, prefill_view)
             self.engine = await PDClusterEngine.connect(
                 HandleTransport(engine), view, prefill=HandleTransport(prefill),
-                prefill_view=prefill_view)
+                prefill_view=prefill_view, max_local_prefill=spec.max_local_prefill)
         app = create_app(self.engine, KeyRing(list(spec.api_keys)), spec.server_config)
         if isinstance(self.engine, PDClusterEngine):
             add_handoff_metrics(app, self.engine.handoffs)

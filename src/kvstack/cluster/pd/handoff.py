@@ -149,6 +149,7 @@ class HandoffCounters:
     bytes: int = 0
     seconds: float = 0.0  # decode-side fetch time, summed
     whole: int = 0  # requests a decode replica served alone (not handoff-safe)
+    local: int = 0  # prompts short enough to prefill on a decode replica (max_local_prefill)
     fallbacks: dict[str, int] = field(default_factory=dict)  # by kind: late, lost, ...
 
     def add(self, handoff: Handoff, receipt: Receipt) -> None:
@@ -167,7 +168,8 @@ class HandoffCounters:
                 "seconds": self.seconds,
                 "mean_bytes": self.bytes / self.count if self.count else None,
                 "mean_seconds": self.seconds / self.count if self.count else None,
-                "whole_requests": self.whole, "fallbacks": dict(self.fallbacks),
+                "whole_requests": self.whole, "local_prefills": self.local,
+                "fallbacks": dict(self.fallbacks),
                 "num_fallbacks": sum(self.fallbacks.values())}
 
 

@@ -11,6 +11,11 @@ A request that can be handed over (`handoff_safe`) runs in two legs:
 A prefill replica dying after the first token leaves no handoff: the decode side recomputes
 the prompt (counted). Any other request (several samples, penalties, stop strings, ...) is
 served whole by the decode pool, as a colocated cluster serves it.
+
+With `max_local_prefill` N > 0, a prompt of at most N tokens is prefilled where it decodes
+(NVIDIA Dynamo's conditional disaggregation): a short prompt costs a decode replica's step
+little, while on the prefill pool it would queue behind long documents' prefills and its
+handoff would cost more than computing it (counted as `local_prefills`).
 """
 
 from __future__ import annotations
@@ -51,9 +56,11 @@ class _Leg:
 
 class PDClusterEngine(ClusterEngine):
     def __init__(self, transport: Transport, view: ClusterView, info: Any, *,
-                 prefill: Transport, prefill_view: ClusterView, **kwargs: Any) -> None:
+                 prefill: Transport, prefill_view: ClusterView, max_local_prefill: int = 0,
+                 **kwargs: Any) -> None:
         super().__init__(transport, view, info, **kwargs)
         self.prefill = prefill
+        self.max_local_prefill = max_local_prefill
         self.prefill_view = prefill_view
         prefill_view.set_layout(info.layout)
         self.handoffs = HandoffCounters()
@@ -64,13 +71,18 @@ class PDClusterEngine(ClusterEngine):
                        request_id: str, cache_salt: str | None = None,
                        draft_token_ids: Sequence[int] | None = None,
                        blend: BlendSpec | None = None) -> AsyncIterator[RequestOutput]:
-        if blend is not None or not handoff_safe(sampling_params, draft_token_ids):
-            self.handoffs.whole += 1
-            async for out in super().generate(prompt, sampling_params, request_id, cache_salt,
+        ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        whole = blend is not None or not handoff_safe(sampling_params, draft_token_ids)
+        local = not whole and len(ids) <= self.max_local_prefill
+        if whole or local:
+            if whole:
+                self.handoffs.whole += 1
+            else:
+                self.handoffs.local += 1
+            async for out in super().generate(ids, sampling_params, request_id, cache_salt,
                                               draft_token_ids, blend):
                 yield out
             return
-        ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         request = ReplicaRequest(request_id, ids, sampling_params, cache_salt,
                                  tuple(request_keys(ids, self.layout, cache_salt)))
         leg = _Leg()

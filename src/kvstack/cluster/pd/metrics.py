@@ -29,6 +29,8 @@ class _HandoffCollector(Collector):
                                   "handoffs", value=c.seconds)
         yield CounterMetricFamily("kvstack_handoff_whole_requests", "requests a decode "
                                   "replica served alone (not handed over)", value=c.whole)
+        yield CounterMetricFamily("kvstack_handoff_local_prefills", "prompts short enough "
+                                  "to prefill on a decode replica", value=c.local)
         fallbacks = CounterMetricFamily("kvstack_handoff_fallbacks", "handoffs recomputed "
                                         "in part or whole, by why", labels=["kind"])
         for kind, n in sorted(c.fallbacks.items()):
