@@ -38,6 +38,7 @@ KEY = "sk-alice"
 AUTH = {"authorization": f"Bearer {KEY}"}
 APP = "kvstack-pd-test"
 MODEL = "tiny"
+LOCAL = 8  # --max-local-prefill: prompts this short never leave the decode replica
 
 
 class PDRay:
@@ -50,7 +51,7 @@ class PDRay:
             self.url = f"http://127.0.0.1:{port}"
             spec = ClusterSpec(2, self.llm_kwargs, replica_threads=1, max_num_seqs=4,
                                api_keys=(KEY,), app_name=APP, health_check_period_s=1.0,
-                               num_prefill_replicas=1,
+                               num_prefill_replicas=1, max_local_prefill=LOCAL,
                                server_config=ServerConfig(model_name=MODEL))
             deploy(build_app(spec), APP, self.url)
         except BaseException:
@@ -124,6 +125,12 @@ def test_handoffs_by_object_ref_give_one_engines_greedy_answers(pd: PDRay) -> No
                                                                 // 16) - 2
     metrics = pd.http.get("/metrics", headers=AUTH).text
     assert "kvstack_handoffs_total 2.0" in metrics
+    short = pd.reference.get_tokenizer().encode(document("s"))[:LOCAL]
+    r = pd.http.post("/v1/completions", json={"model": MODEL, "prompt": short,
+                                              "temperature": 0, "max_tokens": 8}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == pd.want(short, 8)
+    handoffs = pd.cluster()["handoffs"]
+    assert handoffs["local_prefills"] == 1 and handoffs["count"] == 2, handoffs
     assert all(n == 0 for n in pd.blocks_in_use().values())
 
 
@@ -141,7 +148,8 @@ def test_the_decode_replica_dying_mid_stream_ends_it_with_an_error_event(pd: PDR
     def stream() -> None:
         with httpx.Client(base_url=pd.url, timeout=600) as client, client.stream(
                 "POST", "/v1/completions", headers=AUTH,
-                json={"model": MODEL, "prompt": "Tell a long story.", "stream": True,
+                json={"model": MODEL, "prompt": document("die", 8) + " Tell a long story.",
+                      "stream": True,
                       "max_tokens": 1500, "ignore_eos": True, "temperature": 0}) as r:
             for line in r.iter_lines():
                 lines.append(line)
