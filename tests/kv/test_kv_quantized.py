@@ -134,6 +134,24 @@ def test_block_bytes_round_trip_and_equal_the_estimate(kv_dtype: str) -> None:
     assert kv.num_bytes == 4 * shape.bytes_per_block + shape.window_pool_bytes(2)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_several_blocks_written_at_once_land_each_in_its_own_block(kv_dtype: str) -> None:
+    kv, other = storage(kv_dtype), storage(kv_dtype)
+    slots = torch.arange(0, 2 * BS)
+    for layer in range(2):
+        kv.write(layer, slots, kv_rows(2 * BS, layer), kv_rows(2 * BS, layer + 7))
+    before = [other.read_block(b) for b in range(2)]
+    # Out of order, as a restore's free blocks come: block 0's bytes into 3, block 1's into 2.
+    other.write_blocks([3, 2], torch.stack([kv.read_block(0), kv.read_block(1)]))
+    assert torch.equal(other.read_block(3), kv.read_block(0))
+    assert torch.equal(other.read_block(2), kv.read_block(1))
+    assert all(torch.equal(other.read_block(b), before[b]) for b in range(2))
+    for layer in range(2):
+        for a, b in zip(kv.read(layer, slots), other.read(layer, torch.cat(
+                [slots[BS:] + 2 * BS, slots[:BS] + 2 * BS])), strict=True):
+            assert torch.equal(a, b)
+
+
 def test_a_block_of_another_kv_dtype_is_refused_by_the_codec() -> None:
     int8 = BlockFormat("ab" * 32, "int8", 2, 2, 64, BS)
     data = int8.encode(b"h" * 32, bytes(int8.payload_bytes))

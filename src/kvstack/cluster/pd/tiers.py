@@ -114,15 +114,16 @@ class HandoffTiers:
 
     def restore(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
         start = time.perf_counter()
-        num = 0
-        for block_hash, block_id in zip(hashes, block_ids, strict=False):
-            with self._lock:
+        run = []
+        with self._lock:
+            for block_hash in hashes[:len(block_ids)]:
                 payload = self._inbox.get(block_hash)
-            if payload is None:
-                break
-            self.storage.write_blocks([block_id], payload)  # checked when it arrived
-            num += 1
-        if num:
+                if payload is None:
+                    break
+                run.append(payload)
+        num = len(run)
+        if num:  # checked when they arrived; one write for the run
+            self.storage.write_blocks(list(block_ids[:num]), torch.cat(run))
             self.stats.add(hits=num, bytes_loaded=num * self.format.payload_bytes,
                            load_seconds=time.perf_counter() - start)
         if num < len(block_ids) and self.inner is not None:

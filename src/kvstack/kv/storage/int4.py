@@ -256,6 +256,9 @@ class Int4KVStorage(KVCacheStorage):
                 t[copy * bs:(copy + 1) * bs] = t[window * bs:(window + 1) * bs]
         self._reads.clear()
 
+    def _slot_tensors(self) -> None:
+        return None  # K's scales and zeros are per block, not per slot
+
     def _block_views(self, block_id: int) -> list[torch.Tensor]:
         # Per layer: K codes, V codes, K scales, K zeros (per channel), V scales, V zeros.
         start, end = block_id * self.block_size, (block_id + 1) * self.block_size

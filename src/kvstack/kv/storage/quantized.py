@@ -135,10 +135,9 @@ class QuantizedKVStorage(KVCacheStorage):
         x = dequantize_rows(q, gather(self.scale[layer], slots), self.compute_dtype)
         return x.select(-3, 0), x.select(-3, 1)
 
-    def _block_views(self, block_id: int) -> list[torch.Tensor]:
+    def _slot_tensors(self) -> list[torch.Tensor]:
         # Per layer: K/V codes, then their scales.
-        start, end = block_id * self.block_size, (block_id + 1) * self.block_size
-        return [t[start:end] for pair in zip(self.kv, self.scale, strict=True) for t in pair]
+        return [t for pair in zip(self.kv, self.scale, strict=True) for t in pair]
 
 
 def _kernel_writes(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -183,8 +183,10 @@ class TierChain:
             if len(loaded) < count:
                 break
         self.forget(hashes[len(payloads):])  # a dropped block is written again once recomputed
-        for block_id, payload in zip(block_ids, payloads, strict=False):
-            self.storage.write_blocks([block_id], self._tensor(payload))
+        if payloads:  # one write for the run: the storage copies each tensor's rows at once
+            joined = bytearray().join(payloads)
+            data = torch.frombuffer(joined, dtype=torch.uint8).view(len(payloads), -1)
+            self.storage.write_blocks(list(block_ids[:len(payloads)]), data)
         return len(payloads)
 
     def _load(self, index: int, hashes: Sequence[BlockHash]) -> list[memoryview]:
@@ -209,13 +211,6 @@ class TierChain:
         tier.stats.add(hits=len(payloads), bytes_loaded=len(payloads) * self.format.payload_bytes,
                        load_seconds=time.perf_counter() - start)
         return payloads
-
-    def _tensor(self, payload: memoryview) -> torch.Tensor:
-        """uint8 [1, block bytes], on the payload's bytes where they are writable (a disk
-        read), else on a copy (torch wants writable buffers)."""
-        data = torch.frombuffer(payload if not payload.readonly else bytearray(payload),
-                                dtype=torch.uint8)
-        return data.view(1, -1)
 
     # -- offload ----------------------------------------------------------------------------
 
