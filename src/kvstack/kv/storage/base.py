@@ -158,7 +158,7 @@ class KVCacheStorage:
             data = data.contiguous()
             rows = [t.view(torch.uint8).view(self.num_blocks, -1) for t in tensors]
             word = _word_dtype([data.shape[1], *(r.shape[1] for r in rows)],
-                               data.storage_offset())
+                               int(data.storage_offset()))
             ids = torch.tensor(block_ids, dtype=torch.int64)
             src, offset = data.view(word), 0
             for r in rows:
