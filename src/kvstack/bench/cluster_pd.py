@@ -33,7 +33,7 @@ from kvstack.bench.common import BenchOptions, CaseResult, Subject, TableRow
 from kvstack.errors import InvalidRequestError
 
 # The prefill replica's share of time on documents at the default rate. At 0.5 a 2 x 1-thread
-# run sustained both configurations on an AVX2 EPYC (0.14 requests/s there; the earlier fixed
+# run sustained both configurations on an AVX2 EPYC (0.15 requests/s there; the earlier fixed
 # 0.25/s overloaded both); the colocated pair's router then no longer keeps every chat off
 # the replica prefilling a document.
 DOC_LOAD = 0.5

@@ -154,7 +154,7 @@ class KVCacheStorage:
             # One index_copy_ per tensor for all the blocks, in words as wide as every
             # stretch allows (PyTorch copies uint8 rows byte by byte): view by view, two per
             # layer and block, a 3,000-token float32 handoff of the embedded model took 0.18 s
-            # to restore, 5x what this takes.
+            # to restore; this way 0.07 s, the handoff inbox's concatenation included.
             data = data.contiguous()
             rows = [t.view(torch.uint8).view(self.num_blocks, -1) for t in tensors]
             word = _word_dtype([data.shape[1], *(r.shape[1] for r in rows)],
