@@ -27,18 +27,34 @@ OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep what can be r
 Pause = Callable[[int], int]
 
 
-@functools.cache
-def _pause_functions() -> tuple[Pause, ...]:
-    """`omp_pause_resource_all` of every libgomp this process has loaded (torch's wheel may
-    ship its own under a hashed name, beside any the C kernels resolved)."""
+def mapped_path(line: str) -> str | None:
+    """The file a /proc/<pid>/maps line maps, or None for an anonymous or special mapping.
+
+    A line is `address perms offset dev inode [path]`: the path is everything after the fifth
+    field, spaces included (a folder named "a new user" must not cut it), and the kernel appends
+    " (deleted)" to a file removed since it was mapped."""
+    fields = line.split(maxsplit=5)
+    if len(fields) < 6 or not fields[5].startswith("/"):
+        return None
+    return fields[5].removesuffix(" (deleted)")
+
+
+def loaded_libgomps() -> list[str]:
+    """Paths of every libgomp this process has mapped (torch's wheel ships its own, which the
+    C kernels share through its soname; a system one may sit beside it)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:  # not Linux: nothing to find
-        return ()
-    paths = sorted({line.split()[-1] for line in maps.splitlines()
-                    if "/libgomp" in line and line.split()[-1].startswith("/")})
+        return []
+    paths = {mapped_path(line) for line in maps.splitlines()}
+    return sorted(p for p in paths if p is not None and Path(p).name.startswith("libgomp"))
+
+
+@functools.cache
+def _pause_functions() -> tuple[Pause, ...]:
+    """`omp_pause_resource_all` of every libgomp this process has loaded."""
     found: list[Pause] = []
-    for path in paths:
+    for path in loaded_libgomps():
         try:
             function = ctypes.CDLL(path).omp_pause_resource_all  # already loaded: same handle
         except (OSError, AttributeError):  # a libgomp older than OpenMP 5.0
