@@ -70,8 +70,8 @@ def test_release_inside_no_pool_is_harmless() -> None:
 
 def test_a_maps_line_is_read_by_its_format() -> None:
     base = "7f4ba2800000-7f4ba2837000 r-xp 00000000 fe:00 5351264"
-    assert mapped_path(f"{base}    /tmp/a new user/kvstack/libgomp.so.1") == (
-        "/tmp/a new user/kvstack/libgomp.so.1")
+    assert mapped_path(f"{base}    /srv/a new user/kvstack/libgomp.so.1") == (
+        "/srv/a new user/kvstack/libgomp.so.1")
     assert mapped_path(f"{base} /x/two  spaces/libgomp.so.1 (deleted)") == (
         "/x/two  spaces/libgomp.so.1")
     assert mapped_path("7ffd1000-7ffd2000 rw-p 00000000 00:00 0 [stack]") is None
