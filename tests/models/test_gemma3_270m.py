@@ -177,8 +177,8 @@ def test_gguf_greedy_past_the_window(gemma_gguf: LLM, gemma_llm: LLM) -> None:
     """Greedy decoding across the 512-token window: batched, alone and after a prefix hit
     agree but at near-ties. A GGUF step's products round to bf16 (prefill-sized steps, on a
     CPU with bf16 dot products) or the activations to int8 (up to 64 rows, the kernels), so a
-    step of another shape can flip a near-tie (README); decode rows are the kernels' whatever
-    the batch. Cache salts keep the module's other blocks out. Chats part from the
+    step of another shape can flip a near-tie (docs/weights.md); decode rows are the kernels'
+    whatever the batch. Cache salts keep the module's other blocks out. Chats part from the
     dequantized engine only at near-ties too."""
     ids = gemma_llm.get_tokenizer().encode(LONG_TEXT)
     prompts = [ids[:490], ids[600:700], ids[:400] + ids[700:790]]  # the last shares 25 blocks

@@ -6,7 +6,7 @@ bytes per token the model's. For each replica count and each mix (`simulate_pd.M
 chat-heavy, rag-heavy) `best_ratio` sweeps the prefill replicas at `NETWORK_GBIT` and
 `handoff_bound` replays the ratio it picks over 1-100 Gbit/s links. The simulator models
 steps, queues and NICs, not a deployment: its figures rank ratios and show where the handoff
-starts to cost (see the README), they do not predict latencies.
+starts to cost (see docs/scaling.md), they do not predict latencies.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _table(row: dict[str, Any]) -> list[TableRow]:
 
 
 def describe(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of the rows (for the README)."""
+    """Markdown table of the rows (for the docs)."""
     lines = ["| replicas | mix | P:D | chat TPOT p99 colocated / P:D | chat TTFT p50 | "
              f"doc TTFT p50 | tokens/s | handoff mean at {NETWORK_GBIT:g} Gbit/s | link enough |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -7,7 +7,7 @@ come from this machine: `calibrate` measures the model's prefill and decode rate
 benchmark's thread count (or reads them from a real `bench cluster` run in --out). Reports hit
 rate, modelled TTFT, load imbalance, decision time and the index's size per replica as the
 replica count and the tenant count grow. The cost model ranks routers; it does not predict a
-deployment's latencies (see the README).
+deployment's latencies (see docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _summary(results: list[SimResult]) -> str:
 
 
 def describe(results: list[dict[str, Any]]) -> str:
-    """Markdown table of simulation rows (for the README)."""
+    """Markdown table of simulation rows (for the docs)."""
     head = "| " + " | ".join(n for n, _ in _COLUMNS) + " |"
     lines = [head, "|" + "---|" * len(_COLUMNS)]
     for row in results:

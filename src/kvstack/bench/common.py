@@ -7,7 +7,7 @@ A case returns a `CaseResult`; `report` prints its one summary line (stdout) and
      "machine": {cpu, logical_cpus, threads, load_average, torch, transformers, python, ...},
      "config": {what was run: model, sizes, quick}, "results": {case-specific numbers},
      "plots": [PNG file names beside the JSON],
-     "table": [{"workload", "kvstack", "peer", "speedup"}: rows for the README's table]}
+     "table": [{"workload", "kvstack", "peer", "speedup"}: rows for the benchmark pages' tables]}
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class BenchOptions:
 
 @dataclass(frozen=True)
 class TableRow:
-    """One line of the README's benchmark table: a workload, our figure, the peer's, and how
+    """One line of the benchmark pages' table: a workload, our figure, the peer's, and how
     many times faster we are (> 1: kvstack wins), all as display text."""
 
     workload: str

@@ -5,7 +5,7 @@ chunk's ids never depend on its neighbours: the same document gives the same ids
 same cache key, wherever it appears (a separator that merges into a neighbouring token cannot
 make a chunk miss).
 
-Documents in a chat are rendered with this template (documented in the README):
+Documents in a chat are rendered with this template (documented in docs/cache/blending.md):
 - each document is one chunk, `"Title: {title}\\n{text}"` (just `text` without a title);
   nothing position-dependent (an index, "[1]") goes inside a chunk, so a reordered document
   still hits;

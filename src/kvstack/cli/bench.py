@@ -67,7 +67,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "Hugging Face transformers with the same weights, and in `peers` also llama.cpp on "
         "the GGUF file. Each case prints one summary line to stdout (progress goes to "
         "stderr) and writes <out>/<case>.json plus PNG plots; `report` turns them into the "
-        "README's table.",
+        "docs' benchmark page and the README's headline table.",
         epilog="example: kvstack bench cache --threads 2   (kvstack bench all --quick for a "
         "smoke run in seconds)",
     )
@@ -113,22 +113,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _add_report_parser(cases: Any) -> None:
     report = cases.add_parser(
-        "report", help="rewrite the README's benchmark section from the JSON in --out",
+        "report", help="write the docs' benchmark page and the README's headline table from "
+        "the JSON in --out",
         description="Read <out>/<case>.json of every case that ran, copy their plots to "
-        "--plots-dir and rewrite the part of --readme between <!-- bench:start --> and "
-        "<!-- bench:end --> with a table of the results (date, machine, threads, load); "
-        "--out given again adds one table per folder, in order; --section NAME rewrites "
-        "the part between <!-- bench:NAME:start --> and <!-- bench:NAME:end --> instead.")
+        "--plots-dir and write the docs page (default docs/benchmarks/main.md) whole: date, "
+        "machine, threads, load and a table of the results; --out given again adds one table "
+        "per folder, in order. The main report also rewrites the part of --readme between "
+        "<!-- bench:start --> and <!-- bench:end --> with the first row of each case; "
+        "--section NAME writes docs/benchmarks/NAME.md instead (another machine's results) "
+        "and leaves the README alone.")
     report.add_argument("--out", type=Path, action="append", default=None, metavar="DIR",
                         help="folder holding the cases' JSON and plots (default bench-results); "
                         "again for another table, e.g. a `bench peers --isa avx2` run's folder")
     report.add_argument("--readme", type=Path, default=Path("README.md"), metavar="FILE",
-                        help="the Markdown file whose benchmark section is rewritten")
+                        help="the Markdown file whose headline table is rewritten")
+    report.add_argument("--page", type=Path, default=None, metavar="FILE",
+                        help="the docs page written (default docs/benchmarks/<section or "
+                        "main>.md)")
     report.add_argument("--plots-dir", type=Path, default=Path("docs/bench"), metavar="DIR",
-                        help="where the plots are copied, to be committed with the README")
+                        help="where the plots are copied, to be committed with the docs")
     report.add_argument("--section", default=None, metavar="NAME",
-                        help="rewrite the README's section NAME (its own markers), e.g. "
-                        "another machine's results beside the main section")
+                        help="write the page of section NAME, e.g. another machine's results "
+                        "beside the main page")
 
 
 def _url_flags() -> argparse.ArgumentParser:
@@ -199,10 +205,11 @@ def _cluster_flags() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     if args.case == "report":
-        from kvstack.bench.report import write_report
+        from kvstack.bench.report import default_page, write_report
 
         outs = args.out or [Path("bench-results")]
-        print(write_report(outs, args.readme, args.plots_dir, list(CASES), args.section))
+        page = args.page or default_page(Path("docs"), args.section)
+        print(write_report(outs, args.readme, page, args.plots_dir, list(CASES), args.section))
         return 0
     from kvstack.bench.common import BenchOptions, Subject, check_dependencies, report
 

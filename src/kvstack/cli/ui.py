@@ -1,4 +1,4 @@
-"""`kvstack ui screenshot`: pictures of the live view (`/ui`) for the README.
+"""`kvstack ui screenshot`: pictures of the live view (`/ui`) for the docs (docs/ui).
 
 Without `--url` it serves the model itself (no API keys; a temporary disk tier unless
 `--kv-disk-dir` is given, so the pictures show tier marks), sends some traffic, drives
@@ -17,7 +17,7 @@ from kvstack.cli.args import add_model_args, load_llm
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "ui", help="the live view of the cache: screenshots for the README",
+        "ui", help="the live view of the cache: screenshots for the docs",
         description="The live view is served by `kvstack serve` at /ui. `kvstack ui "
         "screenshot` writes PNGs of it (overview, pool, tree, charts, playground); it needs "
         "Debian's chromium and chromium-driver and selenium (`make install` sets them up).")

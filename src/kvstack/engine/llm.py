@@ -56,7 +56,7 @@ class LLM:
     `dtype` is the activations' and weights' dtype; `quantization="int8"` holds the linear
     weights as int8 with per-channel scales (activations stay in `dtype`); `quantization="gguf"`
     (GGUF files only) runs the file's own quantized blocks as they are, decode-sized products
-    with activations rounded to int8 per 32-value block (approximate; see README).
+    with activations rounded to int8 per 32-value block (approximate; see docs/weights.md).
     `kernels="torch"` turns off the C decode kernels (the reference path). `max_parallel_samples`
     caps a request's n (best_of); its samples share the prompt's KV blocks (`samples/`).
     `clock` (default `time.monotonic`) keeps pin deadlines and the Redis tier's retry pause.
@@ -256,8 +256,9 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them.
 
         `documents` (`[{"title": ..., "text": ...}]`, for every conversation) go into the
-        system message, each one a chunk (the template is in `blend/segments.py` and the
-        README); with `blend` their K/V are reused from the chunk cache (APPROXIMATE)."""
+        system message, each one a chunk (the template is in `blend/segments.py` and
+        docs/cache/blending.md); with `blend` their K/V are reused from the chunk cache
+        (APPROXIMATE)."""
         conversations = cast(Sequence[Sequence[Message]], [messages] if messages and isinstance(
             messages[0], dict) else messages)
         prompts: list[PromptType] = []

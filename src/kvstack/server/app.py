@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvstack.engine.async_llm import AsyncLLM
@@ -29,8 +30,9 @@ from kvstack.server.responses.sqlite_store import open_store
 from kvstack.server.state import ServerConfig, ServerState
 from kvstack.server.ui_host import build_ui
 from kvstack.ui.routes import build_router
+from kvstack.version import __version__
 
-__all__ = ["ServerConfig", "create_app", "stop_streams"]
+__all__ = ["ServerConfig", "create_app", "openapi_schema", "stop_streams"]
 
 
 def create_app(
@@ -61,20 +63,32 @@ def create_app(
         if owned:
             engine.shutdown()
         raise
-    app = FastAPI(title="kvstack", version="0.1.0", lifespan=_lifespan(state, owned))
+    app = FastAPI(title="kvstack", version=__version__, lifespan=_lifespan(state, owned))
     app.state.kvstack = state
     app.state.responses_store = responses
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    _add_health_and_metrics(app, state)
+    _add_api_routes(app)
+    if state.ui is not None:
+        app.include_router(build_router(state.ui))
+    return app
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The HTTP API's OpenAPI schema, built from the routes alone (no engine, no model): the
+    docs' HTTP reference is generated from it. The live view's page (`/ui`) is not in it."""
+    app = FastAPI(title="kvstack", version=__version__)
+    _add_api_routes(app)
+    return app.openapi()
+
+
+def _add_api_routes(app: FastAPI) -> None:
+    _add_health_and_metrics(app)
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(semantic_api.router)
     app.include_router(responses_api.router)
     app.include_router(tokens_api.router)
-    if state.ui is not None:
-        app.include_router(build_router(state.ui))
-    return app
 
 
 def stop_streams(app: FastAPI) -> None:
@@ -120,14 +134,18 @@ def _lifespan(state: ServerState,
     return lifespan
 
 
-def _add_health_and_metrics(app: FastAPI, state: ServerState) -> None:
+def _add_health_and_metrics(app: FastAPI) -> None:
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
+        """200 `{"status": "ok"}` while the engine serves; 503 once it has failed."""
+        state: ServerState = request.app.state.kvstack
         if state.engine.errored:
             return error_response("/health", 503, "the engine has failed; restart the server")
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        """Prometheus metrics: requests, tokens, cache hits by source, KV use, tiers."""
+        state: ServerState = request.app.state.kvstack
         body = await asyncio.to_thread(state.metrics.render)
         return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -1,4 +1,4 @@
-"""Pictures of the live view for the README: some traffic against a running server (a shared
+"""Pictures of the live view for the docs (docs/ui): some traffic against a running server (a shared
 system prompt with several questions, a pinned prefix, a long answer still being generated),
 then the page in headless Chromium, a playground question sent twice, and one PNG per view.
 

@@ -3,7 +3,7 @@
 `hf`: Hugging Face transformers with exactly our weights (float32), used by every case.
 `llamacpp`: llama.cpp through llama-cpp-python on the model's GGUF file, when installed.
 `case`: the `bench peers` case (decode, prefill and batch throughput on every engine);
-`display`: its summary line, README rows and plot.
+`display`: its summary line, benchmark-page rows and plot.
 """
 
 from kvstack.bench.peers.case import run

@@ -1,4 +1,4 @@
-"""How `bench peers` shows its results: the summary line, the README's rows and the plot."""
+"""How `bench peers` shows its results: the summary line, the benchmark page's rows and the plot."""
 
 from __future__ import annotations
 
