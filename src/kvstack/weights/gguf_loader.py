@@ -21,6 +21,7 @@ from kvstack.weights.checkpoint import (
     model_config_from_hf,
 )
 from kvstack.weights.gguf_blocks import notice_fallbacks, take_blocks, unpermute_qk
+from kvstack.weights.gguf_experts import EXPERT_TENSOR, split_experts
 from kvstack.weights.gguf_gemma3 import load_gemma3_gguf
 from kvstack.weights.gguf_read import (
     check_tensor_types,
@@ -44,6 +45,9 @@ _ARCHITECTURES = {
     # Mistral without its sliding window is a Llama.
     "mistral": _Arch("LlamaForCausalLM", "llama", False, True),
     "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", True, False),
+    # llama.cpp runs Qwen3 with NEOX rope (HF's rotate_half): Q/K rows as HF has them.
+    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", False, False),
+    "qwen3moe": _Arch("Qwen3MoeForCausalLM", "qwen3_moe", False, False),
 }
 
 _GEMMA3 = "gemma3"  # weights/gguf_gemma3.py
@@ -59,6 +63,9 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -72,9 +79,10 @@ _LLAMA3_ORIGINAL_CONTEXT = 8192
 
 
 def load_gguf(path: Path, keep_blocks: bool = False) -> Checkpoint:
-    """Dequantize every tensor of a llama/qwen2/gemma3 GGUF to float32 and map it to HF names; with
-    `keep_blocks`, linear weights of a type a GGUF kernel runs stay as blocks instead
-    (`Checkpoint.blocks`), the others are dequantized with a one-line notice."""
+    """Dequantize every tensor of a llama/qwen2/qwen3/qwen3moe/gemma3 GGUF to float32 and map
+    it to HF names (3-D expert tensors split per expert); with `keep_blocks`, linear weights
+    of a type a GGUF kernel runs stay as blocks instead (`Checkpoint.blocks`), the others
+    are dequantized with a one-line notice."""
     reader = open_gguf(path)
     arch_name = gguf_value(reader, "general.architecture")
     if arch_name is None:
@@ -97,6 +105,9 @@ def load_gguf(path: Path, keep_blocks: bool = False) -> Checkpoint:
     fallbacks: list[tuple[str, str]] = []
     for name, info in infos.items():
         if name == _ROPE_FREQS:  # folded into hf_config["rope_scaling"]
+            continue
+        if EXPERT_TENSOR.fullmatch(name):  # 3-D: one weight per expert
+            split_experts(info, keep_blocks, tensors, blocks, fallbacks, path)
             continue
         hf_name = _hf_name(name, path)
         if keep_blocks and take_blocks(info, hf_name, blocks, fallbacks):
@@ -147,7 +158,7 @@ def _hf_config(
     ]
     eos_ids = list(dict.fromkeys(eos_ids))
     bos = gguf_value(reader, "tokenizer.ggml.bos_token_id")
-    return {
+    return _moe_config(reader, prefix, infos) | {
         "architectures": [arch.hf_class],
         "model_type": arch.model_type,
         # The embedding's row count is authoritative (token lists are sometimes padded or short).
@@ -155,7 +166,10 @@ def _hf_config(
             gguf_value(reader, f"{prefix}.vocab_size") or infos["token_embd.weight"].shape[1]
         ),
         "hidden_size": hidden,
-        "intermediate_size": int(required("feed_forward_length")),
+        # An all-sparse MoE file may leave the dense width out: no layer reads it then.
+        "intermediate_size": int(gguf_value(reader, f"{prefix}.feed_forward_length")
+                                 or gguf_value(reader, f"{prefix}.expert_feed_forward_length")
+                                 or required("feed_forward_length")),
         "num_hidden_layers": int(required("block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(
@@ -171,6 +185,26 @@ def _hf_config(
         "hidden_act": "silu",
         "bos_token_id": None if bos is None else int(bos),
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+    }
+
+
+def _moe_config(reader: gguf.GGUFReader, prefix: str, infos: dict[str, gguf.ReaderTensor]
+                ) -> dict[str, Any]:
+    """Qwen3-MoE's keys; llama.cpp always renormalizes its top-k weights (qwen3moe). A layer
+    without a router is a dense one (HF's mlp_only_layers)."""
+    experts = gguf_value(reader, f"{prefix}.expert_count")
+    if not experts:
+        return {}
+    norm = gguf_value(reader, f"{prefix}.expert_weights_norm")
+    layers = int(gguf_value(reader, f"{prefix}.block_count") or 0)
+    return {
+        "mlp_only_layers": [i for i in range(layers)
+                            if f"blk.{i}.ffn_gate_inp.weight" not in infos],
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(gguf_value(reader, f"{prefix}.expert_used_count") or 0),
+        "moe_intermediate_size": int(
+            gguf_value(reader, f"{prefix}.expert_feed_forward_length") or 0),
+        "norm_topk_prob": True if norm is None else bool(norm),
     }
 
 
