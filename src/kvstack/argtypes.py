@@ -4,9 +4,11 @@ becomes an argparse usage error, one line and exit 2. Imports nothing heavy."""
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from kvstack.config import EMBEDDED_MODEL
+from kvstack.config import EMBEDDED_MODEL, DraftConfig
 from kvstack.errors import KvstackError
 from kvstack.units import parse_size
 
@@ -20,6 +22,22 @@ def positive_int(text: str) -> int:
         value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def speculative_config(text: str) -> dict[str, Any]:
+    """vLLM's `--speculative-config` JSON object, checked as `DraftConfig` checks it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as "
+                                         f"'{{\"method\": \"suffix\"}}', got {text!r}")
+    try:
+        DraftConfig.from_speculative_config(value)
+    except KvstackError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return value
 
 

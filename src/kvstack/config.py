@@ -8,8 +8,9 @@ from typing import Any
 from kvstack.errors import InvalidRequestError, UnsupportedModelError
 from kvstack.units import parse_size
 
-__all__ = ["EMBEDDED_MODEL", "GEMMA3_MODEL", "KV_CACHE_DTYPES", "CacheConfig", "EngineConfig",
-           "ModelConfig", "SchedulerConfig", "check_kv_cache_dtype", "parse_size"]
+__all__ = ["EMBEDDED_MODEL", "GEMMA3_MODEL", "KV_CACHE_DTYPES", "CacheConfig", "DraftConfig",
+           "EngineConfig", "ModelConfig", "SchedulerConfig", "check_kv_cache_dtype",
+           "parse_size"]
 
 # The model that ships with kvstack (`weights/resolve.py` finds its file).
 EMBEDDED_MODEL = "smollm2-135m"
@@ -164,6 +165,62 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class DraftConfig:
+    """Suffix drafts (`drafts/suffix.py`). `method="suffix"`: every request that can verify
+    drafts gets up to `num_speculative_tokens` a step from suffix trees unless it asks for
+    prompt lookup; without it only requests with `suffix_drafts=N` do. The tree knobs are
+    vLLM's `suffix_decoding_*` ones; the outputs kept for later drafts are bounded in number
+    and in tokens, over all tenants together."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 32
+    max_tree_depth: int = 64
+    max_spec_factor: float = 1.0
+    min_token_prob: float = 0.1
+    max_cached_requests: int = 10000
+    max_cached_tokens: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "suffix"):
+            raise InvalidRequestError(f"speculative method must be 'suffix', got {self.method!r}")
+        for name, low, high in (("num_speculative_tokens", 1, 64), ("max_tree_depth", 1, 1024),
+                                ("max_cached_requests", 0, 1 << 31),
+                                ("max_cached_tokens", 0, 1 << 40)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise InvalidRequestError(f"{name} must be an integer in [{low}, {high}], "
+                                          f"got {value!r}")
+        for name in ("max_spec_factor", "min_token_prob"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise InvalidRequestError(f"{name} must be a number >= 0, got {value!r}")
+        if self.min_token_prob > 1:
+            raise InvalidRequestError(f"min_token_prob must be at most 1, got "
+                                      f"{self.min_token_prob!r}")
+
+    @staticmethod
+    def from_speculative_config(spec: dict[str, Any] | None) -> DraftConfig:
+        """vLLM's `speculative_config` ({"method": "suffix", "num_speculative_tokens": ...,
+        "suffix_decoding_max_tree_depth": ...}); None: no default drafts."""
+        if spec is None:
+            return DraftConfig()
+        if not isinstance(spec, dict):
+            raise InvalidRequestError("speculative_config must be a JSON object")
+        known = {"method", "num_speculative_tokens"} | {
+            f"suffix_decoding_{name}" for name in ("max_tree_depth", "max_spec_factor",
+                                                   "min_token_prob", "max_cached_requests",
+                                                   "max_cached_tokens")}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise InvalidRequestError(f"speculative_config: unknown keys {', '.join(unknown)}; "
+                                      f"known: {', '.join(sorted(known))}")
+        if spec.get("method") != "suffix":
+            raise InvalidRequestError(f"speculative_config: method must be 'suffix', got "
+                                      f"{spec.get('method')!r}")
+        return DraftConfig(**{k.removeprefix("suffix_decoding_"): v for k, v in spec.items()})
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "float32"
@@ -178,6 +235,7 @@ class EngineConfig:
     # "auto": C kernels for decode-sized products where the CPU has AVX-512 or AVX2 and a compiler;
     # "torch": PyTorch ops only (the reference path).
     kernels: str = "auto"
+    drafts: DraftConfig = field(default_factory=DraftConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):

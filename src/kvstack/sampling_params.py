@@ -127,6 +127,10 @@ class SamplingParams:
     a greedy output is the one it would be without them (`drafts/`). Greedy requests without
     penalties only: other requests ignore drafts, and so do parallel samples and constrained
     requests (a draft row would need the constraint's mask at each drafted position).
+    `suffix_drafts=N` drafts up to N tokens a step from suffix trees over the request's own
+    text and its tenant's earlier outputs, as many as their counts back (SuffixDecoding; the
+    engine's `speculative_config` sets the trees' knobs and can make it every request's
+    default); same rules as prompt lookup, and not together with it.
     """
 
     n: int = 1
@@ -148,6 +152,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_lookup: int | None = None
+    suffix_drafts: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -173,8 +178,12 @@ class SamplingParams:
         self.stop_token_ids = _normalized_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
-        _check_int("prompt_lookup", self.prompt_lookup, "in [1, 64] or null",
-                   lambda n: 1 <= n <= 64, allow_none=True)
+        for name in ("prompt_lookup", "suffix_drafts"):
+            _check_int(name, getattr(self, name), "in [1, 64] or null", lambda n: 1 <= n <= 64,
+                       allow_none=True)
+        if self.prompt_lookup is not None and self.suffix_drafts is not None:
+            raise InvalidRequestError("prompt_lookup and suffix_drafts are two draft sources; "
+                                      "give one (suffix trees also search the prompt)")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams")

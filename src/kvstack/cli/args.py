@@ -17,6 +17,7 @@ from kvstack.argtypes import (
     non_negative_int,
     positive_float,
     positive_int,
+    speculative_config,
 )
 from kvstack.config import KV_CACHE_DTYPES
 from kvstack.errors import InvalidRequestError
@@ -66,6 +67,12 @@ def add_model_args(parser: argparse.ArgumentParser, cache_switches: bool = True)
     group.add_argument("--chunk-cache-memory", type=byte_size, default="512MiB", metavar="SIZE",
                        help="bytes of chunk entries kept in memory for blending (APPROXIMATE "
                        "reuse of documents in any order; requests opt in with blend)")
+    group.add_argument("--speculative-config", type=speculative_config, default=None,
+                       metavar="JSON",
+                       help="draft tokens for every greedy request, verified (outputs "
+                       "unchanged): '{\"method\": \"suffix\"}' drafts from suffix trees over "
+                       "each request's text and its tenant's earlier outputs; vLLM's "
+                       "suffix_decoding_* keys tune them")
     add_tier_args(parser)
     if not cache_switches:
         parser.set_defaults(no_kv_cache=False, no_prefix_caching=False)
@@ -119,6 +126,7 @@ def llm_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
         "num_threads": args.threads,
         "quantization": args.quantization,
         "kernels": args.kernels,
+        "speculative_config": getattr(args, "speculative_config", None),
     }
     # A baseline built with its caches off (e.g. the demo's) has no tiers (or KV options) either.
     if overrides.get("use_kv_cache") is not False:

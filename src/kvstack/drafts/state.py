@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvstack.drafts.suffix_tree import TokenHistory
 from kvstack.drafts.verify import FIRST_WINDOW
 
 KEY = "drafts"  # the drafts feature's name in a request's `feature_state`
@@ -19,6 +20,10 @@ class DraftState:
     draft_window: int = FIRST_WINDOW  # most draft tokens fed in one step
     num_draft_tokens: int = 0  # draft tokens fed to the model so far
     num_accepted_tokens: int = 0  # of those, the ones the model agreed with
+    # Suffix drafts (`suffix.py`): the most tokens a step's draft may hold (0: the request
+    # drafts from no suffix tree) and its own text so far, the corpus of its local tree.
+    suffix_max_draft: int = 0
+    history: TokenHistory | None = None
 
 
 class HasFeatureState(Protocol):

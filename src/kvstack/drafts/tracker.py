@@ -2,8 +2,9 @@
 and cut to its max_tokens) and first draft window; the draft tokens a step feeds (within its
 room and the window); a step's fed draft checked against the model's greedy choices; after
 a step samples a request, its draft window, counts and the rest of its pending draft; once
-it goes on, its next prompt-lookup draft; once it finishes, its draft dropped; its counts in
-its output; and the totals `EngineStats` reports. Registered in `engine/builder.py`. A
+it goes on, its next prompt-lookup or suffix draft (`suffix.py`); once it finishes, its draft
+dropped (and its output kept for its tenant's suffix drafts); its counts in its output; and
+the totals `EngineStats` reports. Registered in `engine/builder.py`. A
 request's draft state is a `DraftState` in its `feature_state` slot (`state.py`).
 """
 
@@ -14,15 +15,18 @@ from typing import Protocol
 
 import torch
 
+from kvstack.config import DraftConfig
 from kvstack.drafts.prompt_lookup import DraftingRequest, propose_drafts
 from kvstack.drafts.state import KEY, DraftState, HasFeatureState, draft_state
+from kvstack.drafts.suffix import SuffixDrafts, SuffixRequest
 from kvstack.drafts.verify import next_window, remaining_draft, verify_greedy
 from kvstack.errors import InvalidRequestError
+from kvstack.sampling_params import SamplingParams
 
 OPTION = "draft_token_ids"  # the `add_request` keyword the drafts feature reads
 
 
-class TrackedRequest(DraftingRequest, HasFeatureState, Protocol):
+class TrackedRequest(DraftingRequest, SuffixRequest, HasFeatureState, Protocol):
     """What the tracker reads and writes of a request."""
 
 
@@ -31,6 +35,8 @@ class AddedRequest(Protocol):
 
     @property
     def max_tokens(self) -> int: ...
+    @property
+    def sampling_params(self) -> SamplingParams: ...
     @property
     def options(self) -> Mapping[str, object]: ...
 
@@ -45,10 +51,13 @@ class DraftCounts(Protocol):
 class DraftTracker:
     """`lossy_kv_cache`: the window never grows over a lossy cache (see `next_window`);
     `accepts_drafts`: False where the KV mode cannot take back rejected tokens' K/V;
-    `check_ids`: the engine's token-id check (ids in the vocabulary, as plain ints)."""
+    `check_ids`: the engine's token-id check (ids in the vocabulary, as plain ints);
+    `config`: the suffix trees' knobs and whether they are every request's default."""
 
     def __init__(self, lossy_kv_cache: bool, accepts_drafts: bool,
-                 check_ids: Callable[[Sequence[object]], list[int]]) -> None:
+                 check_ids: Callable[[Sequence[object]], list[int]],
+                 config: DraftConfig | None = None) -> None:
+        self.suffix = SuffixDrafts(config or DraftConfig())
         self.lossy_kv_cache = lossy_kv_cache
         self.accepts_drafts = accepts_drafts
         self.check_ids = check_ids
@@ -60,9 +69,11 @@ class DraftTracker:
         in the vocabulary (InvalidRequestError naming `draft_token_ids` otherwise), cut to
         the request's max_tokens; none or an empty one is no draft."""
         draft = self.checked_draft(new.options.get(OPTION), new.max_tokens)
+        suffix_max_draft = self.suffix.max_draft(new.sampling_params)
 
-        def attach(request: HasFeatureState) -> None:
-            request.feature_state[KEY] = DraftState(list(draft))  # each sample its own
+        def attach(request: HasFeatureState) -> None:  # each sample its own
+            request.feature_state[KEY] = DraftState(list(draft),
+                                                    suffix_max_draft=suffix_max_draft)
         return attach
 
     def checked_draft(self, value: object, max_tokens: int) -> list[int]:
@@ -107,11 +118,20 @@ class DraftTracker:
         state.draft_token_ids = remaining_draft(state.draft_token_ids, token_ids)
 
     def after_output(self, request: TrackedRequest) -> None:
-        propose_drafts(request, draft_state(request))
+        state = draft_state(request)
+        propose_drafts(request, state)
+        if self.accepts_drafts:  # drafts no step would feed are not worth a search
+            self.suffix.propose(request, state)
 
     def on_finish(self, request: TrackedRequest, reason: str) -> None:
         """What is left of a finished request's draft is never fed."""
-        draft_state(request).draft_token_ids = []
+        state = draft_state(request)
+        state.draft_token_ids = []
+        self.suffix.finish(request, state)
+
+    def forget(self, cache_salt: str | None) -> int:
+        """Drop a tenant's outputs kept for suffix drafts; how many."""
+        return self.suffix.store.drop(cache_salt)
 
     def fill_output(self, request: HasFeatureState, output: DraftCounts) -> None:
         """The request's draft counts in its output."""
@@ -121,4 +141,4 @@ class DraftTracker:
 
     def stats_fields(self) -> dict[str, int]:
         return {"num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens}
+                "num_accepted_tokens": self.num_accepted_tokens} | self.suffix.stats_fields()

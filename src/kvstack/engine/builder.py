@@ -124,7 +124,8 @@ def register_features(parts: EngineParts, config: EngineConfig, clock: Clock) ->
     vocab_size = parts.model_config.vocab_size
     drafts = DraftTracker(parts.kv_storage is not None and parts.kv_storage.lossy,
                           parts.kv_manager.accepts_drafts,
-                          lambda ids: check_token_ids(ids, vocab_size))
+                          lambda ids: check_token_ids(ids, vocab_size), config.drafts)
+    hooks.features["drafts"] = drafts  # `LLMEngine.forget_drafts`
     hooks.on_add.append(drafts.on_add)  # after the others: it refused a request last
     hooks.options.add(DRAFTS_OPTION)
     hooks.extra_tokens = drafts.extra_tokens

@@ -19,7 +19,7 @@ from kvstack.blend.segments import (
     with_documents,
 )
 from kvstack.clock import MONOTONIC, Clock
-from kvstack.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvstack.config import CacheConfig, DraftConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvstack.engine.chat import Message, chat_token_ids
 from kvstack.engine.core import LLMEngine
 from kvstack.engine.info import ModelInfo
@@ -72,6 +72,8 @@ class LLM:
     mode (StreamingLLM): each token attends to the first sink tokens and the N - sinks most
     recent ones, older blocks are freed, and a conversation may run past the model's context
     (`max_tokens` is not capped by it) in constant memory; prefix caching is off in this mode.
+    `speculative_config={"method": "suffix", ...}` (vLLM's keys) drafts every greedy request
+    from suffix trees over its own text and its tenant's earlier outputs (`drafts/suffix.py`).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class LLM:
         chunk_cache_memory: int | str = "512MiB",
         quantization: str | None = None,
         kernels: str = "auto",
+        speculative_config: dict[str, Any] | None = None,
         clock: Clock = MONOTONIC,
     ) -> None:
         config = EngineConfig(
@@ -126,6 +129,7 @@ class LLM:
             skip_tokenizer_init=skip_tokenizer_init,
             quantization=quantization,
             kernels=kernels,
+            drafts=DraftConfig.from_speculative_config(speculative_config),
         )
         keep_freed_memory()  # a step's large temporaries reuse freed memory (kernels/allocator.py)
         self.engine = LLMEngine(config, clock)
@@ -287,6 +291,12 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         """Drop every cached block not in use (e.g. after reloading weights)."""
         return self.engine.reset_prefix_cache()
+
+    def forget_drafts(self, cache_salt: str | None = None) -> int:
+        """Drop the outputs kept for one tenant's suffix drafts (`cache_salt` as given to
+        `generate`; the server's tenants are salted by key); returns how many."""
+        forget = getattr(self.engine.hooks.features.get("drafts"), "forget", None)
+        return int(forget(cache_salt)) if callable(forget) else 0
 
     def reset_chunk_cache(self) -> int:
         """Drop the blend chunk entries held in memory (the tiers keep theirs, so later

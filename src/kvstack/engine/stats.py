@@ -17,6 +17,11 @@ class EngineStats:
     num_generation_tokens: int
     num_draft_tokens: int = 0  # draft tokens verified (semantic cache, prompt lookup, given)
     num_accepted_tokens: int = 0  # of those, the ones the model agreed with
+    # Suffix drafts (`drafts/suffix.py`): outputs and tokens kept for tenants' later drafts,
+    # and drafts taken from them rather than from the request's own text.
+    suffix_cached_outputs: int = 0
+    suffix_cached_tokens: int = 0
+    suffix_global_drafts: int = 0
     # The KV manager's `KVUsage`, field for field (zero without a KV cache):
     block_size: int = 0
     num_blocks_total: int = 0

@@ -32,6 +32,8 @@ class ExtraSampling(_Body):
     semantic_cache: bool | None = None
     # Draft up to N tokens a step from the request's own text (verified; see SamplingParams).
     prompt_lookup: int | None = None
+    # Draft up to N tokens a step from suffix trees (own text, the tenant's earlier outputs).
+    suffix_drafts: int | None = None
     # vLLM's structured-output fields (at most one; see server/structured.py).
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

@@ -29,7 +29,8 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
 # Body fields both APIs carry under the same name, passed to SamplingParams as they are.
 _SHARED_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                            "seed", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                           "include_stop_str_in_output", "prompt_lookup")
+                           "include_stop_str_in_output", "prompt_lookup",
+                           "suffix_drafts")
 
 
 @dataclass(frozen=True)
