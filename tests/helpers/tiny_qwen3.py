@@ -21,6 +21,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 from helpers.tiny_models import _add
 
 VARIANTS = ("dense", "tied", "moe", "moe_mixed")
+# Qwen3-30B-A3B's routing (128 experts, top-8, renormalized) on one narrow layer.
+REAL_ROUTING = "moe128"
 _BASE: dict[str, Any] = {
     "vocab_size": 256, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
@@ -43,6 +45,10 @@ def tiny_qwen3_config(variant: str, **overrides: Any) -> Any:
     if variant == "moe_mixed":
         return Qwen3MoeConfig(**(_MOE | {"norm_topk_prob": False, "num_experts_per_tok": 3,
                                          "mlp_only_layers": [0]} | kwargs))
+    if variant == REAL_ROUTING:
+        return Qwen3MoeConfig(**(_MOE | {"norm_topk_prob": True, "num_experts": 128,
+                                         "num_experts_per_tok": 8, "moe_intermediate_size": 64,
+                                         "num_hidden_layers": 1} | kwargs))
     raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
 
 

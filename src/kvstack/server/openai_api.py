@@ -34,6 +34,7 @@ from kvstack.server.protocol import (
     CompletionRequest,
     OpenAISampling,
 )
+from kvstack.server.reasoning import thinking_of
 from kvstack.server.semantic_api import Probe, split_conversation
 from kvstack.server.state import ServerState, server_state
 from kvstack.server.structured import structured_outputs
@@ -127,7 +128,8 @@ async def chat_completions(request: Request,
         prompt_ids, blend = chat_with_documents(state.tokenizer, messages, body.documents,
                                                 body.blend)
     else:
-        prompt_ids = chat_token_ids(state.tokenizer, messages, tools=tools)
+        prompt_ids = chat_token_ids(state.tokenizer, messages, tools=tools,
+                                    template_kwargs=body.chat_template_kwargs)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
@@ -142,7 +144,7 @@ async def chat_completions(request: Request,
         probe = await state.semantic.probe(tenant, "openai.chat", key_text, context, params,
                                            max_tokens, body.semantic_cache, body.cache_salt)
     wire = OpenAIWire(state, "chatcmpl", "chat.completion", len(prompt_ids), body, probe,
-                      tool_use=tool_use)
+                      tool_use=tool_use, thinking=thinking_of(state.tokenizer, prompt_ids))
     return await _answer(request, state, wire, prompt_ids, params,
                          tenant.cache_salt(body.cache_salt), body, probe, blend)
 

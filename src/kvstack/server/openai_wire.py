@@ -3,6 +3,7 @@ choices, log-probabilities and tool calls (see `lifecycle.WireFormat`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterable
@@ -22,6 +23,7 @@ from kvstack.server.logprobs import (
     vllm_prompt_logprobs,
 )
 from kvstack.server.protocol import OpenAISampling
+from kvstack.server.reasoning import ReasoningStream, split_reasoning
 from kvstack.server.semantic_api import Probe
 from kvstack.server.state import ServerState
 from kvstack.server.tools import ToolCall, ToolChoice, ToolSpec, ToolStream, new_call_id
@@ -67,13 +69,16 @@ class _Sent:
     arguments: int = 0  # named tool: characters of its arguments
     opened: bool = False  # named tool: its call's id and name are out
     stream: ToolStream | None = field(default=None, repr=False)
+    reasoning: ReasoningStream | None = field(default=None, repr=False)
 
 
 class OpenAIWire:
     def __init__(self, state: ServerState, prefix: str, obj: str, num_prompt_tokens: int,
                  body: OpenAISampling, probe: Probe | None, prompts: Prompts | None = None,
-                 tool_use: ToolUse | None = None) -> None:
+                 tool_use: ToolUse | None = None, thinking: bool | None = None) -> None:
         self.state = state
+        # chat: None, or the output holds reasoning blocks (True: the prompt opened one)
+        self.thinking = thinking if obj == "chat.completion" else None
         self.probe = probe  # the semantic cache's view of this request, if it looked it up
         self.headers = probe.headers if probe is not None else {}
         self.id = f"{prefix}-{uuid.uuid4().hex}"
@@ -110,6 +115,12 @@ class OpenAIWire:
             return choice | self._prompt_part(out, c.index)
         choice["logprobs"] = chat_logprobs(self.tokens, c, 0)
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if self.thinking is not None:  # the reasoning apart; the rest parsed as the output
+            split = split_reasoning(c.text, self.thinking)
+            message = {"role": "assistant", "content": split.content}
+            if split.reasoning:
+                message["reasoning_content"] = split.reasoning
+            c = dataclasses.replace(c, text=split.content)
         calls = self._calls(c) if c.finish_reason == "stop" else None
         if calls:
             content = self._stream(c).content(c.text, True)
@@ -135,6 +146,9 @@ class OpenAIWire:
     def delta(self, out: RequestOutput, completion: CompletionOutput, sent_chars: int,
               sent_tokens: int) -> Iterable[str]:
         c, reason = completion, completion.finish_reason
+        if self.thinking is not None:
+            yield from self._thinking_delta(c)
+            return
         if self.tool_use is not None:
             yield from self._tool_delta(c)
             return
@@ -152,6 +166,27 @@ class OpenAIWire:
                 logprobs = completion_logprobs(self.tokens, c, sent_tokens,
                                                len(echo) + sent_chars)
                 yield self._chunk(c.index, text, reason, logprobs)
+
+    def _thinking_delta(self, c: CompletionOutput) -> Iterable[str]:
+        """Reasoning as `reasoning_content` deltas; the content after it as any output's."""
+        sent = self._sent.setdefault(c.index, _Sent())
+        if sent.reasoning is None:
+            sent.reasoning = ReasoningStream(bool(self.thinking))
+        finished = c.finish_reason is not None
+        reasoning, _ = sent.reasoning.step(c.text, finished)
+        content = split_reasoning(c.text, sent.reasoning.opened, finished).content
+        logprobs = chat_logprobs(self.tokens, c, sent.tokens)
+        if reasoning:
+            yield self._chunk(c.index, {"reasoning_content": reasoning}, None, logprobs)
+            logprobs, sent.tokens = None, len(c.token_ids)
+        if self.tool_use is not None:
+            yield from self._tool_delta(dataclasses.replace(c, text=content))
+            return
+        text = content[sent.content:]
+        sent.content = len(content)
+        if text or finished:
+            yield self._chunk(c.index, {"content": text}, c.finish_reason, logprobs)
+            sent.tokens = len(c.token_ids)
 
     def _tool_delta(self, c: CompletionOutput) -> Iterable[str]:
         """Content as it becomes certain; a named tool's arguments as they come; other calls

@@ -134,6 +134,8 @@ class ChatCompletionRequest(OpenAISampling):
     tools: list[OpenAITool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: extra variables for the chat template (Qwen3: {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class SegmentBody(_Body):

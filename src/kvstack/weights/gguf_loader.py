@@ -190,12 +190,12 @@ def _hf_config(
 
 def _moe_config(reader: gguf.GGUFReader, prefix: str, infos: dict[str, gguf.ReaderTensor]
                 ) -> dict[str, Any]:
-    """Qwen3-MoE's keys; llama.cpp always renormalizes its top-k weights (qwen3moe). A layer
-    without a router is a dense one (HF's mlp_only_layers)."""
+    """Qwen3-MoE's keys. llama.cpp renormalizes qwen3moe's top-k weights whatever the file
+    says (its qwen3moe graph passes norm_w=true; transformers' GGUF loader does the same). A
+    layer without a router is a dense one (HF's mlp_only_layers)."""
     experts = gguf_value(reader, f"{prefix}.expert_count")
     if not experts:
         return {}
-    norm = gguf_value(reader, f"{prefix}.expert_weights_norm")
     layers = int(gguf_value(reader, f"{prefix}.block_count") or 0)
     return {
         "mlp_only_layers": [i for i in range(layers)
@@ -204,7 +204,7 @@ def _moe_config(reader: gguf.GGUFReader, prefix: str, infos: dict[str, gguf.Read
         "num_experts_per_tok": int(gguf_value(reader, f"{prefix}.expert_used_count") or 0),
         "moe_intermediate_size": int(
             gguf_value(reader, f"{prefix}.expert_feed_forward_length") or 0),
-        "norm_topk_prob": True if norm is None else bool(norm),
+        "norm_topk_prob": True,
     }
 
 
