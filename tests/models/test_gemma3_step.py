@@ -62,12 +62,16 @@ def sequences() -> tuple[list[list[int]], list[int]]:
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (50, 30, 12)], [20, 9, 3]
 
 
-@pytest.mark.parametrize("name", ["mqa", "gqa", "gguf-mix"])
+@pytest.mark.parametrize(("name", "kv"), [("mqa", "auto"), ("gqa", "auto"), ("gguf-mix", "auto"),
+                                          ("mqa", "int8"), ("gqa", "fp8"), ("gguf-mix", "int8")])
 def test_step_is_the_per_op_path_bit_for_bit(models: dict[str, tuple[Path, dict[str, str]]],
-                                             name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                             name: str, kv: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantized caches too: the step stores the codes and reads them with the per-op path's
+    kernels, so the logits and the cache match bit for bit."""
     path, kw = models[name]
     seqs, num_prompt = sequences()
-    llm = make(path, **kw)
+    llm = make(path, kv_cache_dtype=kv, **kw)
     counter = StepCounter(monkeypatch)
     with_step = teacher_forced_logits(llm.engine, seqs, num_prompt)
     assert counter.calls > 20  # most steps are decodes only past the prompts
@@ -97,10 +101,11 @@ def test_greedy_same_batched_with_prefills_and_alone(
 
 def test_step_off_for_bfloat16_and_torch_kernels(
         models: dict[str, tuple[Path, dict[str, str]]], monkeypatch: pytest.MonkeyPatch) -> None:
-    """bfloat16 models and kernels="torch" keep PyTorch's ops (the step is float32 C)."""
+    """bfloat16 models, kernels="torch" and a bfloat16 cache keep the per-op path (the step
+    is float32 C over float32, int8 or fp8 caches)."""
     path, _ = models["mqa"]
     StepCounter(monkeypatch, off=True)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    for kw in ({"dtype": "bfloat16"}, {"kernels": "torch"}):
+    for kw in ({"dtype": "bfloat16"}, {"kernels": "torch"}, {"kv_cache_dtype": "bfloat16"}):
         out = make(path, **kw).generate([{"prompt_token_ids": [5, 6, 7]}], params)
         assert len(out[0].outputs[0].token_ids) == 6

@@ -45,13 +45,17 @@ CASES = {
             "of context) and multi-turn chat behind shared prefixes",
     "score": "harness-shaped scoring: 4-choice questions behind a shared preamble, with and "
              "without the prefix cache vs transformers (tokens computed, wall, exactness)",
+    "long_decode": "decode tok/s after 16k and 32k tokens per KV dtype (float32, int8) vs "
+                   "llama.cpp's llama-bench on the same GGUF file; bytes read per step per part "
+                   "(weights, head, K/V) against a read-bandwidth probe",
     "agent": "an agent loop (~1,500-token system prompt + tools, 12 turns of ~150-token tool "
              "results, 4 conversations): Responses with previous_response_id vs chat resending "
              "the history, prefix cache on and off (TTFT per turn); idle ones resumed from disk",
 }
 # `all` runs these: the cluster case needs Ray and redis-server and takes most of an hour; load
-# runs two servers under guidellm for about 20 minutes (`make bench-load`, with its peer).
-ALL_CASES = [name for name in CASES if name not in ("cluster", "load")]
+# runs two servers under guidellm for about 20 minutes (`make bench-load`, with its peer);
+# long_decode prefills 16k and 32k tokens in both engines for about 15 minutes.
+ALL_CASES = [name for name in CASES if name not in ("cluster", "load", "long_decode")]
 # bench cluster's runs, in order (kvstack.bench.cluster.RUNS; a test keeps both the same)
 # `bench peers --isa`: kvstack.kernels.isa.ISAS (not imported here: `--help` stays light)
 KERNEL_ISAS = ("avx512", "avx2")

@@ -1,4 +1,5 @@
-/* A whole Gemma 3 decode step in one C call (float32 models over a plain float32 cache).
+/* A whole Gemma 3 decode step in one C call (float32 models over a plain float32 cache, or an
+ * int8 / fp8 one: codes and float16 scales, kv/storage/quantized.py's scheme).
  *
  * The per-layer plan of models/gemma3.py's forward, driven from C so that a step costs one
  * call instead of ~25 PyTorch ops per layer: Gemma's RMSNorm (scaled by 1 + w in float32)
@@ -24,6 +25,13 @@ void store_kv_f32(const float *k, const float *v, int64_t rows, int64_t stride,
 int decode_attention_f32(const float *q, const float *k, const float *v, const int64_t *slots,
                          const int64_t *lens, int64_t seqs, int64_t max_ctx, int64_t heads,
                          int64_t kv_heads, int64_t dim, float scale, float *out, int threads);
+void store_kv_quant_f32(const float *k, const float *v, int64_t rows, int64_t k_stride,
+                        int64_t v_stride, const int64_t *slots, void *kv, uint16_t *kv_scale,
+                        int fp8, int rotate, int64_t kv_heads, int64_t dim);
+int decode_attention_quant_f32(const float *q, const void *kv, const uint16_t *kv_scale, int fp8,
+                               int rotate, const int64_t *slots, const int64_t *lens,
+                               int64_t seqs, int64_t max_ctx, int64_t heads, int64_t kv_heads,
+                               int64_t dim, float scale, float *out, int threads);
 
 /* As ops.c's Lin (kernels/decode_step.py's LinEntry): kind 0-4 dense gemv, GGUF_KIND / GGUF_X8_KIND
  * + the ggml type for GGUF blocks. */
@@ -43,7 +51,10 @@ typedef struct {
     GLin o, gate_up, down;
     const float *input_norm, *post_attn_norm, *pre_ffw_norm, *post_ffw_norm; /* 1 + w */
     const float *q_norm, *k_norm;
-    float *k_cache, *v_cache; /* [slots, kv_heads, head_dim] */
+    float *k_cache, *v_cache; /* [slots, kv_heads, head_dim]; quantized (GDims.kv_kind):
+                                 k_cache is the codes [slots, 2, kv_heads, head_dim], v_cache
+                                 unused */
+    uint16_t *kv_scale;       /* quantized: float16 [slots, 2, kv_heads]; else NULL */
     int64_t rope;             /* 0: the sliding layers' table, 1: the full layers' */
 } GLayer;
 
@@ -57,6 +68,8 @@ typedef struct {
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, num_layers;
     float eps, scale;
+    int64_t kv_kind; /* 0: plain float32, 1: int8 codes, 2: e4m3 codes (ops.c's Dims) */
+    int64_t rotate;  /* quantized K/V stored in the Hadamard basis */
 } GDims;
 
 static int linear(const GLin *l, const float *x, int64_t rows, float *y, int threads) {
@@ -139,6 +152,28 @@ static int qkv_parts(const GLayer *L, const float *x, int64_t rows, int64_t qkv_
     return 1;
 }
 
+/* Store the rows' new K/V (in qkv, after q) at the layer's slots, then attend over its view:
+ * the same kernels, in the same order, as the per-op path's storage write and decode
+ * attention (layers/attention.py), so the cache and the output get the same bits. */
+static int attend(const GDims *d, const GLayer *L, const GView *V, const float *qkv,
+                  const float *q, int64_t rows, float *attn, int threads) {
+    const int64_t dim = d->head_dim, qd = d->heads * dim, kvd = d->kv_heads * dim;
+    const int64_t qkv_n = qd + 2 * kvd;
+    if (d->kv_kind) {
+        const int fp8 = d->kv_kind == 2, rotate = (int)d->rotate;
+        store_kv_quant_f32(qkv + qd, qkv + qd + kvd, rows, qkv_n, qkv_n, V->slot_mapping,
+                           L->k_cache, L->kv_scale, fp8, rotate, d->kv_heads, dim);
+        return !decode_attention_quant_f32(q, L->k_cache, L->kv_scale, fp8, rotate, V->slots,
+                                           V->lens, rows, V->max_ctx, d->heads, d->kv_heads,
+                                           dim, d->scale, attn, threads);
+    }
+    store_kv_f32(qkv + qd, qkv + qd + kvd, rows, qkv_n, V->slot_mapping, L->k_cache,
+                 L->v_cache, kvd);
+    return !decode_attention_f32(q, L->k_cache, L->v_cache, V->slots, V->lens, rows,
+                                 V->max_ctx, d->heads, d->kv_heads, dim, d->scale, attn,
+                                 threads);
+}
+
 /* h [rows, hidden]: the embeddings, turned in place into the residual stream after every
  * layer (the caller applies the final norm). cos/sin: [2][rows, head_dim] (sliding, full). */
 int gemma_decode_step(const GDims *d, const GLayer *layers, const GView *views, float *h,
@@ -159,12 +194,7 @@ int gemma_decode_step(const GDims *d, const GLayer *layers, const GView *views, 
         gemma_qk_norm_rope_f32(qkv, rows, qkv_n, d->heads, d->kv_heads, dim, L->q_norm,
                                L->k_norm, d->eps, cos + L->rope * table, sin + L->rope * table);
         for (int64_t r = 0; r < rows; r++) memcpy(q + r * qd, qkv + r * qkv_n, sizeof(float) * qd);
-        store_kv_f32(qkv + qd, qkv + qd + kvd, rows, qkv_n, V->slot_mapping, L->k_cache,
-                     L->v_cache, kvd);
-        if (!(ok = !decode_attention_f32(q, L->k_cache, L->v_cache, V->slots, V->lens, rows,
-                                         V->max_ctx, d->heads, d->kv_heads, dim, d->scale, attn,
-                                         threads)))
-            break;
+        if (!(ok = attend(d, L, V, qkv, q, rows, attn, threads))) break;
         if (!(ok = linear(&L->o, attn, rows, y, threads))) break;
         gemma_add_norm_f32(h, y, rows, d->hidden, L->post_attn_norm, d->eps);
         gemma_norm_f32(h, rows, d->hidden, L->pre_ffw_norm, d->eps, x);

@@ -4,7 +4,8 @@ At one token per sequence, Gemma's per-layer PyTorch (six RMSNorms, Q/K norms, R
 ~25 ops a layer, 18 layers) costs several milliseconds a token next to the weights' streaming;
 this hands the C side a table of every layer's weights and cache tensors, built once per KV
 storage and layer placement, and per step each layer's slots (its group's block table; a
-sliding layer's narrowed to its window). float32 models over a plain float32 cache, with dense
+sliding layer's narrowed to its window). float32 models over a plain float32 cache or an int8 /
+fp8 one (codes and scales, stored and read by ops.c's quantized kernels), with dense
 (`Linear`) or GGUF-block (`GGUFLinear`, a `ConcatLinear` of them for mixed-type QKV) weights;
 anything else keeps the per-op path. The two paths agree to float32 rounding (the C loops and
 PyTorch's vectorized ops round differently), measured in tests/kernels/test_gemma_step.py.
@@ -19,7 +20,7 @@ from typing import Protocol
 import torch
 
 from kvstack.kernels import build
-from kvstack.kernels.decode_step import LinEntry, lin_entry
+from kvstack.kernels.decode_step import LinEntry, StepCaches, lin_entry
 from kvstack.kernels.gguf import ConcatLinear, GGUFLinear
 from kvstack.kernels.linear import Linear
 
@@ -33,7 +34,7 @@ class _Layer(ctypes.Structure):
                 ("pre_ffw_norm", ctypes.c_void_p), ("post_ffw_norm", ctypes.c_void_p),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("rope", ctypes.c_int64)]
+                ("kv_scale", ctypes.c_void_p), ("rope", ctypes.c_int64)]
 
 
 class _View(ctypes.Structure):
@@ -45,7 +46,8 @@ class _Dims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
                 ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
                 ("inter", ctypes.c_int64), ("num_layers", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("kv_kind", ctypes.c_int64), ("rotate", ctypes.c_int64)]
 
 
 class GemmaLayerWeights(Protocol):
@@ -82,19 +84,21 @@ def step_supported(layers: Sequence[GemmaLayerWeights]) -> bool:
 
 
 class GemmaDecodeStep:
-    """All layers of decode-only float32 steps over one storage's float32 caches."""
+    """All layers of decode-only float32 steps over one storage's caches: plain float32
+    (K, V) per layer, or int8 / fp8 (codes, scales) per layer (`StepCaches`)."""
 
-    def __init__(self, layers: Sequence[GemmaLayerWeights],
-                 caches: Sequence[tuple[torch.Tensor, torch.Tensor]], full: Sequence[bool],
+    def __init__(self, layers: Sequence[GemmaLayerWeights], caches: StepCaches,
+                 full: Sequence[bool],
                  hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
                  scale: float) -> None:
         lib = build.load()
         assert lib is not None
         self._fn = lib.gemma_decode_step
-        self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), eps, scale)
+        self._dims = _Dims(hidden, heads, kv_heads, head_dim, inter, len(layers), eps, scale,
+                           caches.kv_kind, int(caches.rotate))
         table = (_Layer * len(layers))()
-        for entry, layer, (k_cache, v_cache), is_full in zip(table, layers, caches, full,
-                                                             strict=True):
+        for entry, layer, (first, second), is_full in zip(table, layers, caches.layers, full,
+                                                          strict=True):
             parts = _parts(layer.qkv)
             assert parts is not None
             for i, part in enumerate(parts):
@@ -108,12 +112,16 @@ class GemmaDecodeStep:
                 norm = getattr(layer, name)
                 assert norm.dtype == torch.float32 and norm.is_contiguous()
                 setattr(entry, name, norm.data_ptr())
-            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            entry.k_cache = first.data_ptr()
+            if caches.quantized:  # codes, then their scales
+                entry.kv_scale = second.data_ptr()
+            else:
+                entry.v_cache = second.data_ptr()
             entry.rope = int(is_full)
         self._table = table
         self._views = (_View * len(layers))()
         # The table holds raw pointers: keep what they point into alive.
-        self._keep = (list(layers), list(caches))
+        self._keep = (list(layers), list(caches.layers))
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  views: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:

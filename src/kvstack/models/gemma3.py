@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from kvstack.config import ModelConfig
 from kvstack.errors import UnsupportedModelError
 from kvstack.kernels import ops as kernel_ops
+from kvstack.kernels.decode_step import StepCaches
 from kvstack.kernels.gemma_step import (
     GemmaDecodeStep,
     GemmaLayerWeights,
@@ -246,8 +247,8 @@ class Gemma3ForCausalLM:
                          kv_storage: KVCacheStorage | None) -> bool:
         """A step of decodes only, every layer in one C call (`kernels/gemma_step.py`), h
         turned in place into the last residual stream; False where the step does not apply
-        (kernels off, not float32, other caches, prefill rows)."""
-        if kv_storage is None or kv_storage.basis is not None:
+        (kernels off, not float32, a cache other than float32 / int8 / fp8, prefill rows)."""
+        if kv_storage is None:
             return False
         metas = _layer_metas(meta, len(self.layers))
         if metas is None or not all(m.use_kernels and m.decodes_only(h.shape[0])
@@ -272,18 +273,18 @@ class Gemma3ForCausalLM:
     def _decode_step(self, kv_storage: KVCacheStorage, places: tuple[int, ...]
                      ) -> GemmaDecodeStep | None:
         """The one-call step over this storage and layer placement, built on first use; None
-        where a cache is not plain float32 or a product has no kernel."""
+        where a cache is neither plain float32 nor int8 / fp8 codes, or a product has no
+        kernel."""
         key = (id(kv_storage), places)
         if self._step_for != key:
-            caches = [kv_storage.layer_tensors(p) for p in places]
-            plain = [t for t in caches if t is not None and t[0].dtype == torch.float32]
+            caches = _step_caches(kv_storage, places)
             layers = cast(Sequence[GemmaLayerWeights], self.layers)
             c = self.config
             self._step = GemmaDecodeStep(
-                layers, plain, [t == FULL for t in c.layer_types], c.hidden_size, c.num_heads,
+                layers, caches, [t == FULL for t in c.layer_types], c.hidden_size, c.num_heads,
                 c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps,
                 c.head_dim**-0.5 if self.attn_scale is None else self.attn_scale,
-            ) if len(plain) == len(places) and step_supported(layers) else None
+            ) if caches is not None and step_supported(layers) else None
             self._step_for, self._step_keep = key, kv_storage
         return self._step
 
@@ -303,6 +304,20 @@ class Gemma3ForCausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows that sample) -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+
+def _step_caches(kv_storage: KVCacheStorage, places: tuple[int, ...]) -> StepCaches | None:
+    """Each layer's caches at its storage place as the one-call step reads them: plain float32
+    (K, V), or int8 / fp8 codes and scales (in the Hadamard basis where the storage has one);
+    None for anything else (a bfloat16 or int4 cache)."""
+    plain = [kv_storage.layer_tensors(p) for p in places]
+    if all(t is not None and t[0].dtype == torch.float32 for t in plain):
+        return StepCaches([t for t in plain if t is not None])
+    quantized = [kv_storage.quantized_tensors(p) for p in places]
+    if all(t is not None for t in quantized):
+        return StepCaches([t for t in quantized if t is not None], quantized=True,
+                          rotate=kv_storage.basis is not None)
+    return None
 
 
 def _layer_metas(meta: StepMetadata, num_layers: int
