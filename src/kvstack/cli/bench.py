@@ -48,6 +48,10 @@ CASES = {
     "long_decode": "decode tok/s after 16k and 32k tokens per KV dtype (float32, int8) vs "
                    "llama.cpp's llama-bench on the same GGUF file; bytes read per step per part "
                    "(weights, head, K/V) against a read-bandwidth probe",
+    "drafts": "suffix drafts vs prompt lookup vs none on agent sessions that repeat "
+              "themselves (file edits, tool calls echoing results, plans; batch 1 and 4) and "
+              "plain chat: decode tok/s up to the first loop, accepted tokens per step, the "
+              "cost of a 1+k-token step",
     "agent": "an agent loop (~1,500-token system prompt + tools, 12 turns of ~150-token tool "
              "results, 4 conversations): Responses with previous_response_id vs chat resending "
              "the history, prefix cache on and off (TTFT per turn); idle ones resumed from disk",
