@@ -14,9 +14,10 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from helpers.tiny_gemma3 import make_tiny_gemma3_folder, write_tiny_gemma3_gguf
 
-from kvstack.bench import decode_bytes
+from kvstack.bench import decode_bytes, long_decode
 from kvstack.bench.peers import llama_bench
 from kvstack.cli.main import main
+from kvstack.errors import InvalidRequestError
 
 FAKE = """#!{python}
 import json, sys
@@ -106,3 +107,12 @@ def test_quick_run_reports_ratio_and_bytes_per_part(
     assert f32["bytes_per_step"]["kv"] == positions * 2 * 64 * 4
     assert i8["bytes_per_step"]["kv"] == positions * 2 * (64 + 2)
     assert per["llamacpp"]["bytes_per_step"]["kv"] == positions * 2 * 64 * 2
+
+
+def test_contexts_the_model_holds_else_its_longest() -> None:
+    full = long_decode.sizes(quick=False)
+    assert long_decode._contexts(full, 32768) == [16384]  # 32,768 + 64 new tokens do not fit
+    assert long_decode._contexts(full, 131072) == [16384, 32768]
+    assert long_decode._contexts(full, 8192) == [8192 - 64]  # SmolLM2
+    with pytest.raises(InvalidRequestError, match="--quick"):
+        long_decode._contexts(full, 2048)

@@ -2,7 +2,8 @@
 time), our engine in each KV dtype against llama.cpp's `llama-bench -p 0 -n N -d CONTEXT` on
 the same GGUF file and threads, in the same run, with what each step reads per part.
 
-For each context (16,384 and 32,768 tokens by default, those the model holds): a prompt of
+For each context (16,384 and 32,768 tokens by default, those the model holds; a shorter model,
+the longest context it holds with the new tokens: SmolLM2's 8,128): a prompt of
 that many tokens (the start of the prefix case's document), then `new` greedy tokens; decode
 tok/s is new tokens after the first over their time (the engines' own inter-token gaps; for
 llama.cpp its tg figure). Our engines run twice per context around llama-bench's run (the
@@ -30,6 +31,7 @@ from kvstack.bench.decode_parts import step_parts
 from kvstack.bench.peers import llama_bench
 from kvstack.bench.peers.workloads import measure_read_bandwidth
 from kvstack.bench.prefix import document
+from kvstack.errors import InvalidRequestError
 from kvstack.kv.groups import KVLayout
 from kvstack.kv.sizing import KVShape
 from kvstack.sampling_params import SamplingParams
@@ -54,9 +56,7 @@ def sizes(quick: bool) -> Sizes:
 
 def run(subject: Subject, options: BenchOptions) -> CaseResult:
     s = sizes(options.quick)
-    contexts = [n for n in s.contexts if n + s.new_tokens <= subject.max_model_len]
-    if not contexts:
-        subject.require_context(min(s.contexts) + s.new_tokens, "the long_decode benchmark")
+    contexts = _contexts(s, subject.max_model_len)
     text = document(subject, max(contexts))
     while len(text) < max(contexts):  # a short document: repeated to the length
         text += text
@@ -94,6 +94,20 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
                  "machine_read_bandwidth_probes": probes, "contexts": results},
         table=_table(results),
     )
+
+
+def _contexts(s: Sizes, max_model_len: int) -> list[int]:
+    """The sizes' contexts the model holds with the new tokens; where none fits (SmolLM2's
+    8,192 positions), the longest one that does."""
+    fits = [n for n in s.contexts if n + s.new_tokens <= max_model_len]
+    if fits:
+        return fits
+    if max_model_len - s.new_tokens < min(s.contexts) // 4:
+        raise InvalidRequestError(
+            f"the long_decode benchmark needs at least {min(s.contexts) // 4 + s.new_tokens} "
+            f"tokens of context and the model has {max_model_len}; use --quick or a model with "
+            "a longer context")
+    return [max_model_len - s.new_tokens]
 
 
 def _peer(options: BenchOptions) -> tuple[Any, str | None]:
