@@ -131,20 +131,22 @@ def _sources(out: RequestOutput, cut: int) -> tuple[int, int, int]:
 
 
 def _step_cost(subject: Subject, llm: LLM, repeats: int) -> dict[str, Any]:
-    """Seconds of a decode step feeding 1 + k tokens (k rejected drafts) over one of 1 token,
-    median of `repeats`, on a ~300-token context."""
+    """Seconds of a step computing 1 token + k (rejected) draft tokens over one computing 1,
+    median of `repeats`: a prompt whose blocks are all cached but its last token, so its
+    first step is that token and the caller's draft, on a ~300-token context."""
     prompt = subject.chat_prompt("Tell me about the sea. " * 40)
-    prompt = prompt[-(subject.max_model_len - 2 * max(STEP_DRAFTS)):]
+    block = llm.engine.config.cache.block_size
+    fit = min(len(prompt), subject.max_model_len - 2 * max(STEP_DRAFTS)) - 1
+    prompt = prompt[-(fit // block * block + 1):]  # whole blocks and one token
     bad = [subject.encode(" zebra")[0]] * max(STEP_DRAFTS)
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))  # cache it
     seconds: dict[int, list[float]] = {k: [] for k in (0, *STEP_DRAFTS)}
-    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for _ in range(repeats):
         for k in seconds:
-            draft = bad[:k] if k else None
-            out = llm.generate({"prompt_token_ids": prompt, "draft_token_ids": draft},
-                               params)[0]
-            seconds[k].append((out.metrics.last_token_time or 0.0)
-                              - (out.metrics.first_token_time or 0.0))
+            out = llm.generate({"prompt_token_ids": prompt, "draft_token_ids": bad[:k] or None},
+                               SamplingParams(temperature=0, max_tokens=k + 1, ignore_eos=True))
+            m = out[0].metrics
+            seconds[k].append((m.first_token_time or 0.0) - (m.first_scheduled_time or 0.0))
     one = median(seconds[0])
     return {"step_s_1": one, **{f"step_over_1_at_{1 + k}": ratio(median(seconds[k]), one)
                                 for k in STEP_DRAFTS}}
