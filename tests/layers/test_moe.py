@@ -8,13 +8,19 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 from helpers.tiny_qwen3 import make_tiny_qwen3_folder, tiny_qwen3_config
 from transformers import AutoModelForCausalLM
 
 from kvstack import LLM, SamplingParams
+from kvstack.kernels import build
+from kvstack.kernels.gguf import GGUFLinear
 from kvstack.kernels.linear import Linear
+from kvstack.layers import moe as moe_module
 from kvstack.layers.moe import SparseMoE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -121,3 +127,40 @@ def test_batched_decode_steps_run_each_chosen_expert_once(tmp_path: Path) -> Non
     assert sum(calls.values()) == sum(len(c) for c in steps)  # one call per chosen expert
     assert rows == sum(steps, Counter())  # with exactly its rows
     assert any(max(c.values()) > 1 for c in steps)  # some step did share an expert
+
+
+def gguf_moe(qtype: QType, num_experts: int = 16, top_k: int = 4, hidden: int = 256,
+             inter: int = 128) -> SparseMoE:
+    rng = np.random.default_rng(0)
+
+    def lin(rows: int, cols: int) -> GGUFLinear:
+        w = rng.normal(0, 0.05, (rows, cols)).astype(np.float32)
+        return GGUFLinear(gguf.quants.quantize(w, qtype), qtype, (rows, cols))
+
+    experts = [(lin(2 * inter, hidden), lin(hidden, inter)) for _ in range(num_experts)]
+    return SparseMoE(torch.from_numpy(rng.normal(0, 1, (num_experts, hidden)).astype(np.float32)),
+                     experts, top_k, True)
+
+
+@pytest.mark.skipif(build.load() is None, reason="needs the C kernels (a compiler)")
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q8_0, QType.Q4_1])
+def test_gguf_experts_run_in_two_calls_with_the_per_expert_bits(
+        qtype: QType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GGUF experts at decode size: all chosen experts' gate/up in one C call, their down in
+    another, each row's result bit-identical to running the experts one by one."""
+    moe = gguf_moe(qtype)
+    x = torch.randn(6, 256)
+    calls: list[int] = []
+    original = moe_module.gemv_many
+
+    def counting(lins: list[GGUFLinear], x: torch.Tensor, offsets: list[int]) -> Any:
+        calls.append(len(lins))
+        return original(lins, x, offsets)
+
+    monkeypatch.setattr(moe_module, "gemv_many", counting)
+    grouped = moe(x)
+    _, ids = moe.route(x)
+    assert calls == [len(set(ids.reshape(-1).tolist()))] * 2
+    one_by_one = SparseMoE(moe.router, [(Counting(g, e, Counter(), Counter()), d)
+                                        for e, (g, d) in enumerate(moe.experts)], 4, True)
+    assert torch.equal(grouped, one_by_one(x))

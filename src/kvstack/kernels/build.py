@@ -81,6 +81,8 @@ _PLAIN: dict[str, tuple[list[Any], Any]] = {
     # type, x, rows, k, w (x8 layout), n, bias, y, threads
     "gguf_gemv_x8": ([_INT, _P, _I64, _I64, _P, _I64, _P, _P, _INT], _INT),
     "gguf_x8_supported": ([_INT], _INT),
+    # type, count, x, offsets, k, w (count pointers), n, y, threads
+    "gguf_gemv_x8_many": ([_INT, _I64, _P, _P, _I64, _P, _I64, _P, _INT], _INT),
     # dims, layers, views, h, rows, cos, sin, threads
     "gemma_decode_step": ([_P, _P, _P, _P, _I64, _P, _P, _INT], _INT),
     # x, count, d, w, eps, out

@@ -293,3 +293,26 @@ def _check(rc: int) -> None:
         raise MemoryError("GGUF kernel could not allocate its activation buffers")
     if rc != 0:
         raise UnsupportedGGUFTensor(f"GGUF kernel refused the tensor (code {rc})")
+
+
+def gemv_many(lins: list[GGUFLinear], x: torch.Tensor, offsets: list[int]) -> torch.Tensor | None:
+    """Several GGUF layers of one type and shape, each on its own rows of x [total, in] (layer
+    e on rows offsets[e]:offsets[e + 1]), in one C call (`gguf_gemv_x8_many`): [total, out] in
+    x's dtype, each row's bits those of `lin(x[rows])` at decode size. None where it does not
+    apply (kernels off, not the x8 layout, mixed types or shapes, bias, prefill-sized groups)."""
+    first = lins[0]
+    lib = first._lib
+    sizes = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    if (lib is None or not first.x8 or first.out_features % 8
+            or max(sizes) > first.max_kernel_rows
+            or any(not lin.x8 or lin.qtype != first.qtype or lin.bias32 is not None
+                   or lin.shape != first.shape for lin in lins)):
+        return None
+    x32 = x.to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], first.out_features, dtype=torch.float32)
+    ptrs = (ctypes.c_void_p * len(lins))(*(lin.blocks.data_ptr() for lin in lins))
+    offs = torch.tensor(offsets, dtype=torch.int64)
+    _check(lib.gguf_gemv_x8_many(int(first.qtype), len(lins), x32.data_ptr(), offs.data_ptr(),
+                                 first.in_features, ptrs, first.out_features, y.data_ptr(),
+                                 torch.get_num_threads()))
+    return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -269,6 +269,35 @@ int gguf_gemv_x8(int type, const float *x, int64_t rows, int64_t k, const uint8_
     return ok ? 0 : -2;
 }
 
+/* Several x8 weights of one type and shape [n, k], each times its own rows, in one parallel
+ * region (a MoE step's chosen experts): x [total, k] holds expert e's rows at offsets[e] ..
+ * offsets[e + 1] - 1, and y [total, n] gets x @ w[e].T there. Each row's arithmetic is
+ * gguf_gemv_x8's, so the results are its bits. n must be a multiple of 8. 0, -1 or -2. */
+int gguf_gemv_x8_many(int type, int64_t count, const float *x, const int64_t *offsets,
+                      int64_t k, const uint8_t *const *w, int64_t n, float *y, int threads) {
+    const x8_fn *fn = x8_dots(type);
+    if (!fn || k <= 0 || k % QK || n % 8 || count <= 0) return -1;
+    const int64_t nb = k / QK, row_bytes = nb * x8_block_bytes(type), groups = n / 8;
+    const int64_t total = offsets[count];
+    int8_t *xq = malloc((size_t)(total * k));
+    float *dx = malloc(sizeof(float) * (size_t)(total * nb));
+    float *sx = malloc(sizeof(float) * (size_t)(total * nb));
+    const int ok = xq && dx && sx;
+    if (ok) {
+        gguf_quantize_x(x, total, k, xq, dx, sx);
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t i = 0; i < count * groups; i++) {
+            const int64_t e = i / groups, g = i % groups, off = offsets[e];
+            x8_group(fn, xq + off * k, dx + off * nb, sx + off * nb, offsets[e + 1] - off, nb,
+                     w[e] + g * 8 * row_bytes, g, 8, n, NULL, y + off * n);
+        }
+    }
+    free(xq);
+    free(dx);
+    free(sx);
+    return ok ? 0 : -2;
+}
+
 int gguf_dequantize(int type, const uint8_t *w, int64_t k, const int64_t *ids, int64_t count,
                     float *out, int threads);
 
@@ -323,6 +352,13 @@ int gguf_x8_supported(int type) {
 int gguf_gemv_x8(int type, const float *x, int64_t rows, int64_t k, const uint8_t *w,
                  int64_t n, const float *bias, float *y, int threads) {
     (void)type, (void)x, (void)rows, (void)k, (void)w, (void)n, (void)bias, (void)y;
+    (void)threads;
+    return -1;
+}
+
+int gguf_gemv_x8_many(int type, int64_t count, const float *x, const int64_t *offsets,
+                      int64_t k, const uint8_t *const *w, int64_t n, float *y, int threads) {
+    (void)type, (void)count, (void)x, (void)offsets, (void)k, (void)w, (void)n, (void)y;
     (void)threads;
     return -1;
 }

@@ -5,7 +5,9 @@ A step groups its rows by expert: each expert chosen by any row runs once, on al
 that chose it, so its weights are streamed once per step however many rows share it, and an
 expert no row chose is never read. Each expert's linears are whatever the model built (a
 `Linear` in the model dtype or int8, a `GGUFLinear` on its slice of the file's 3-D expert
-blocks): decode-sized groups take their C kernels, larger ones PyTorch's matmul.
+blocks): decode-sized groups take their C kernels -- GGUF blocks all chosen experts in one
+call per product (`gemv_many`: two parallel regions per layer, not two per expert) --, larger
+ones PyTorch's matmul.
 
 The math and its order are transformers' (Qwen3MoeTopKRouter, Qwen3MoeExperts): router logits
 in the model dtype, softmax in float32, top-k, optional renormalization, weights cast back to
@@ -15,10 +17,12 @@ the model dtype; experts accumulated in increasing expert index.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
+
+from kvstack.kernels.gguf import GGUFLinear, gemv_many
 
 
 class ExpertLinear(Protocol):
@@ -72,19 +76,36 @@ class SparseMoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]: each chosen expert run once on its rows."""
         weights, ids = self.route(x)
-        out = torch.zeros_like(x)
         flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        picks = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            picks = order[start:start + count]
-            start += count
-            rows = torch.div(picks, self.top_k, rounding_mode="floor")
-            gate_up, down = self.experts[expert]
-            y = down(self.act(gate_up(x[rows]).contiguous()).contiguous())
-            y = y * weights.reshape(-1)[picks, None]
-            out.index_add_(0, rows, y.to(out.dtype))
+        chosen = [e for e, n in enumerate(counts) if n]
+        rows = torch.div(picks, self.top_k, rounding_mode="floor")
+        offsets = [0]
+        for e in chosen:
+            offsets.append(offsets[-1] + counts[e])
+        y = self._grouped(x[rows], chosen, offsets)
+        if y is None:
+            y = torch.cat([self._expert(e, x[rows[a:b]])
+                           for e, a, b in zip(chosen, offsets, offsets[1:], strict=False)])
+        y = y * weights.reshape(-1)[picks, None]
+        out = torch.zeros_like(x)
+        out.index_add_(0, rows, y.to(out.dtype))
         return out
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.experts[e]
+        return down(self.act(gate_up(x).contiguous()).contiguous())
+
+    def _grouped(self, x: torch.Tensor, chosen: list[int], offsets: list[int]
+                 ) -> torch.Tensor | None:
+        """Every chosen expert's products in two C calls (GGUF x8 blocks at decode size:
+        `gemv_many`), each row's bits those of the per-expert calls; None: not applicable."""
+        if not all(isinstance(lin, GGUFLinear) for e in chosen for lin in self.experts[e]):
+            return None
+        gate_ups = [cast(GGUFLinear, self.experts[e][0]) for e in chosen]
+        hidden = gemv_many(gate_ups, x, offsets)
+        if hidden is None:
+            return None
+        downs = [cast(GGUFLinear, self.experts[e][1]) for e in chosen]
+        return gemv_many(downs, self.act(hidden).contiguous(), offsets)
