@@ -179,6 +179,10 @@ class DraftConfig:
     min_token_prob: float = 0.1
     max_cached_requests: int = 10000
     max_cached_tokens: int = 1 << 20
+    # kvstack's own: what a draft row costs, as a share of a 1-token step, on this machine
+    # (`bench drafts` measures it); > 0 cuts each draft where its expected tokens per unit of
+    # step time peak. 0 (vLLM's behaviour): drafts are as long as the counts back them.
+    draft_row_cost: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in (None, "suffix"):
@@ -190,7 +194,7 @@ class DraftConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise InvalidRequestError(f"{name} must be an integer in [{low}, {high}], "
                                           f"got {value!r}")
-        for name in ("max_spec_factor", "min_token_prob"):
+        for name in ("max_spec_factor", "min_token_prob", "draft_row_cost"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise InvalidRequestError(f"{name} must be a number >= 0, got {value!r}")
@@ -209,7 +213,7 @@ class DraftConfig:
         known = {"method", "num_speculative_tokens"} | {
             f"suffix_decoding_{name}" for name in ("max_tree_depth", "max_spec_factor",
                                                    "min_token_prob", "max_cached_requests",
-                                                   "max_cached_tokens")}
+                                                   "max_cached_tokens", "draft_row_cost")}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise InvalidRequestError(f"speculative_config: unknown keys {', '.join(unknown)}; "

@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 from kvstack import LLM, SamplingParams
 from kvstack.config import DraftConfig
 from kvstack.drafts.suffix_store import SuffixStore
-from kvstack.drafts.suffix_tree import SEPARATOR, SuffixParams, TokenHistory, speculate
+from kvstack.drafts.suffix_tree import (
+    SEPARATOR,
+    SuffixDraft,
+    SuffixParams,
+    TokenHistory,
+    speculate,
+)
 from kvstack.errors import InvalidRequestError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -99,6 +105,15 @@ def test_a_request_drafts_from_its_own_history_and_the_counts_set_the_length() -
                      params).token_ids == []  # no history: no draft
 
 
+def test_a_draft_is_cut_where_its_expected_tokens_per_step_time_peak() -> None:
+    draft = SuffixDraft([1, 2, 3, 4], 2.3, 4, (0.9, 0.8, 0.4, 0.2))
+    assert draft.cut_to_cost(0.0) == [1, 2, 3, 4]  # vLLM's behaviour: no cut
+    # (1 + 0.9) / 1.5 = 1.27, (1 + 1.7) / 2 = 1.35, (1 + 2.1) / 2.5 = 1.24: two pay best.
+    assert draft.cut_to_cost(0.5) == [1, 2]
+    assert draft.cut_to_cost(1.0) == []  # no row pays when a row costs a whole step
+    assert draft.cut_to_cost(0.05) == [1, 2, 3, 4]
+
+
 def test_token_history_grows() -> None:
     history = TokenHistory(capacity=4)
     for i in range(100):
@@ -137,6 +152,8 @@ def test_speculative_config_is_checked() -> None:
         {"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_min_token_prob": 0.2})
     assert config.method == "suffix" and config.num_speculative_tokens == 16
     assert config.min_token_prob == 0.2 and config.max_tree_depth == 64
+    assert DraftConfig.from_speculative_config(
+        {"method": "suffix", "suffix_decoding_draft_row_cost": 0.3}).draft_row_cost == 0.3
     assert DraftConfig.from_speculative_config(None).method is None
     for bad, what in (({"method": "eagle"}, "method"), ({"method": "suffix", "x": 1}, "x"),
                       ({"method": "suffix", "num_speculative_tokens": 0}, "num_speculative"),
@@ -224,8 +241,8 @@ def test_a_tenants_next_request_drafts_from_its_last_output(tiny: Path, plain: L
 
 def test_the_store_bound_evicts_and_drafts_are_cut_to_max_tokens(tiny: Path,
                                                                  plain: LLM) -> None:
-    llm = engine(tiny, speculative_config={"method": "suffix",
-                                           "suffix_decoding_max_cached_tokens": 20})
+    llm = engine(tiny, speculative_config={"method": "suffix", "suffix_decoding_max_cached_tokens":
+                                           20, "suffix_decoding_draft_row_cost": 0.2})
     prompt = quoting_prompt(plain, [9, 8, 7, 6])
     for max_tokens in (2, 3, 9, 17):
         out = llm.generate({"prompt_token_ids": prompt}, greedy(max_tokens))[0]

@@ -1,16 +1,17 @@
 """`bench drafts`: what suffix drafts buy on agent sessions that repeat themselves, against no
 drafts and prompt lookup, and what they cost on plain chat.
 
-Arms, interleaved turn by turn on one engine (greedy, `ignore_eos`, a fixed number of output
-tokens): no drafts, prompt lookup (LOOKUP tokens a step), suffix trees (`suffix_drafts`, the
-engine's default tree knobs). Sessions run at batch 1 (one after another) and at batch 4 (four
-sessions' turns in one `generate`). Batch 1, batch 4 and the control are three tenants (cache
-salts), shared by the arms: the suffix arm's later turns draft from its earlier answers, no run
-from another's. Every output is scored up to its first repeated 32-token span
+Arms, interleaved turn by turn (greedy, `ignore_eos`, a fixed number of output tokens): no
+drafts, prompt lookup (LOOKUP tokens a step), suffix trees (`suffix_drafts`, the engine's
+default tree knobs), and suffix trees on a second engine that cuts each draft to the step cost
+measured first (`draft_row_cost`). Sessions run at batch 1 (one after another) and at batch 4
+(four sessions' turns in one `generate`). Batch 1, batch 4 and the control are three tenants
+(cache salts), shared by the arms: the suffix arms' later turns draft from their earlier
+answers, no run from another's. Every output is scored up to its first repeated 32-token span
 (`drafts_workloads.loop_start`): decode tok/s from the first token to there, accepted draft
 tokens per step there, and the share of all accepted tokens that came after it (from loops).
-Outputs must be identical across arms. Also measured: what a step of
-1 + k tokens costs against a step of 1 on this CPU (one request, k rejected draft tokens).
+Outputs must be identical across arms. Measured first: what a step of 1 + k tokens costs
+against a step of 1 on this CPU (one request, k rejected draft tokens).
 """
 
 from __future__ import annotations
@@ -32,22 +33,31 @@ from kvstack.sampling_params import SamplingParams
 
 LOOKUP = 8  # prompt_lookup draft length (as `bench verify`)
 SUFFIX = 32  # suffix_drafts: the most tokens a step's draft may hold
-ARMS = {"off": {}, "lookup": {"prompt_lookup": LOOKUP}, "suffix": {"suffix_drafts": SUFFIX}}
+ARMS = {"off": {}, "lookup": {"prompt_lookup": LOOKUP}, "suffix": {"suffix_drafts": SUFFIX},
+        "suffix-cut": {"suffix_drafts": SUFFIX}}  # on an engine cutting drafts to step cost
 STEP_DRAFTS = (1, 3, 7, 15)
 
 
 def run(subject: Subject, options: BenchOptions) -> CaseResult:
-    llm = subject.llm(kv_cache_memory=subject.kv_shape().bytes_for(4096, 8))
+    kv_bytes = subject.kv_shape().bytes_for(4096, 8)
+    llm = subject.llm(kv_cache_memory=kv_bytes)
+    step_cost = _step_cost(subject, llm, 3 if options.quick else 7)
+    # A draft row's cost as a share of a 1-token step, from the 1 + 7-token step measured here.
+    row_cost = max(0.0, ((step_cost["step_over_1_at_8"] or 1.0) - 1) / 7)
+    step_cost["row_cost"] = row_cost
+    cut = subject.llm(kv_cache_memory=kv_bytes, speculative_config={
+        "method": "suffix", "suffix_decoding_draft_row_cost": row_cost})
+    engines = {arm: cut if arm == "suffix-cut" else llm for arm in ARMS}
     tokens = 32 if options.quick else 128
     num = 2 if options.quick else 3
     results: dict[str, Any] = {}
-    with progress(options, 3 * (2 * num + 2 * 4 + num), "drafts") as bar:
+    with progress(options, len(ARMS) * (2 * num + 2 * 4 + num), "drafts") as bar:
         for name, sessions, batch in (("agent, batch 1", agent_sessions(num), 1),
                                       ("agent, batch 4", agent_sessions(4), 4),
                                       ("plain chat, batch 1", chat_sessions(num), 1)):
-            results[name] = _run_sessions(subject, llm, sessions, batch, tokens, name, bar)
-    step_cost = _step_cost(subject, llm, 3 if options.quick else 7)
+            results[name] = _run_sessions(subject, engines, sessions, batch, tokens, name, bar)
     llm.close()
+    cut.close()
     return CaseResult(
         case="drafts", summary=_summary(results, step_cost),
         config={"model": options.model, "quick": options.quick, "output_tokens": tokens,
@@ -57,7 +67,7 @@ def run(subject: Subject, options: BenchOptions) -> CaseResult:
         table=_table(results, step_cost))
 
 
-def _run_sessions(subject: Subject, llm: LLM, sessions: list[Session], batch: int,
+def _run_sessions(subject: Subject, engines: dict[str, LLM], sessions: list[Session], batch: int,
                   tokens: int, tenant: str, bar: Any) -> dict[str, Any]:
     """Each arm's scored figures over every turn of `sessions`, `batch` sessions at a time,
     as one tenant (the cache salt: prefix hits across arms, one suffix store)."""
@@ -75,7 +85,7 @@ def _run_sessions(subject: Subject, llm: LLM, sessions: list[Session], batch: in
             for arm, extra in ARMS.items():
                 params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True,
                                         **extra)  # type: ignore[arg-type]
-                got = llm.generate(prompts, params, cache_salt=tenant)
+                got = engines[arm].generate(prompts, params, cache_salt=tenant)
                 bar.update(len(group))
                 outs[arm] += got
                 groups[arm].append(got)
@@ -153,17 +163,18 @@ def _step_cost(subject: Subject, llm: LLM, repeats: int) -> dict[str, Any]:
 
 
 def _summary(results: dict[str, Any], step_cost: dict[str, Any]) -> str:
-    parts = ["drafts: decode tok/s off/lookup/suffix, suffix accepted per step"]
+    parts = ["drafts: decode tok/s off/lookup/suffix/suffix cut to step cost, suffix accepted "
+             "per step"]
     for name, r in results.items():
-        off, lookup, suffix = (r[a]["decode_tok_s"] for a in ARMS)
-        parts.append(f"{name} {fmt(off)}/{fmt(lookup)}/{fmt(suffix)} (suffix "
+        off, lookup, suffix, cut = (r[a]["decode_tok_s"] for a in ARMS)
+        parts.append(f"{name} {fmt(off)}/{fmt(lookup)}/{fmt(suffix)}/{fmt(cut)} (suffix "
                      f"{fmt_x(ratio(suffix, off))} vs off, {fmt_x(ratio(suffix, lookup))} vs "
                      f"lookup; {fmt(r['suffix']['accepted_per_step'], 2)} accepted/step, "
                      f"{fmt(100 * r['suffix']['loop_share'], 0)}% from loops; identical "
                      f"{r['identical']})")
     costs = ", ".join(f"1+{k}: {fmt_x(step_cost[f'step_over_1_at_{1 + k}'])}"
                       for k in STEP_DRAFTS)
-    parts.append(f"step cost over 1 token: {costs}")
+    parts.append(f"step cost over 1 token: {costs} (row cost {fmt(step_cost['row_cost'], 2)})")
     return " | ".join(parts)
 
 
@@ -171,7 +182,9 @@ def _table(results: dict[str, Any], step_cost: dict[str, Any]) -> list[TableRow]
     rows = []
     for name, r in results.items():
         off, suffix = r["off"]["decode_tok_s"], r["suffix"]["decode_tok_s"]
-        rows.append(TableRow(f"suffix drafts, {name}: decode tok/s (lookup, off)", fmt(suffix),
+        cut = r["suffix-cut"]["decode_tok_s"]
+        rows.append(TableRow(f"suffix drafts (cut to step cost), {name}: decode tok/s "
+                             f"(lookup, off)", f"{fmt(suffix)} ({fmt(cut)})",
                              f"{fmt(r['lookup']['decode_tok_s'])}, {fmt(off)}",
                              fmt_x(ratio(suffix, off))))
     rows.append(TableRow("a step of 1+7 tokens over a step of 1",

@@ -58,7 +58,7 @@ class SuffixDrafts:
             if other.score > draft.score:
                 draft = other
                 self.num_from_global += 1
-        state.draft_token_ids = draft.token_ids
+        state.draft_token_ids = draft.cut_to_cost(self.config.draft_row_cost)
 
     def finish(self, request: SuffixRequest, state: DraftState) -> None:
         """A finished request's output joins its tenant's tree; its local tree is dropped."""

@@ -40,10 +40,26 @@ class SuffixDraft:
     token_ids: list[int]
     score: float  # the sum of the drafted tokens' path probabilities (expected acceptances)
     match_len: int
+    probs: tuple[float, ...] = ()  # each token's path probability (that it is accepted)
 
     @staticmethod
     def none() -> SuffixDraft:
         return SuffixDraft([], 0.0, 0)
+
+    def cut_to_cost(self, row_cost: float) -> list[int]:
+        """The draft's prefix that maximises the expected tokens a step emits per unit of
+        step time, where each draft row costs `row_cost` of a 1-token step (0: all of it).
+        Where a step's extra rows are not nearly free (a compute-bound CPU), a long draft
+        of unlikely tokens makes the step slower than the tokens it is expected to save."""
+        if row_cost <= 0:
+            return self.token_ids
+        best, best_len, expected = 1.0, 0, 1.0
+        for k, prob in enumerate(self.probs, start=1):
+            expected += prob
+            value = expected / (1 + row_cost * k)
+            if value > best:
+                best, best_len = value, k
+        return self.token_ids[:best_len]
 
 
 class TokenHistory:
@@ -110,6 +126,7 @@ def _walk(corpus: npt.NDArray[np.int32], followers: Positions, limit: int,
     """Down the implicit tree from the node whose occurrences are followed at `followers`:
     each step the most frequent next token (on a tie, the one that occurred last)."""
     tokens: list[int] = []
+    probs: list[float] = []
     prob, score = 1.0, 0.0
     n = len(corpus)
     while len(tokens) < limit:
@@ -124,9 +141,10 @@ def _walk(corpus: npt.NDArray[np.int32], followers: Positions, limit: int,
         if prob < min_token_prob:
             break
         tokens.append(token)
+        probs.append(prob)
         score += prob
         followers = followers[nexts == token] + 1
-    return SuffixDraft(tokens, score, match_len)
+    return SuffixDraft(tokens, score, match_len, tuple(probs))
 
 
 def _most_frequent(nexts: npt.NDArray[np.int32]) -> tuple[int, int]:
