@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import pytest
 
 from kvstack import LLM, SamplingParams
@@ -47,3 +48,16 @@ def test_random_file_runs_and_counts_the_bytes_a_token_reads(tmp_path: Path,
         mlps = 3 * 512 * 256 * q4
     norms = 4 * (2 * 256 + 2 * 64)
     assert decode_bytes(model) == 2 * (attention + mlps + norms) + head + 4 * 256
+
+
+def test_copied_fields_reach_the_file(tmp_path: Path) -> None:
+    """bench scale_llamacpp gives its file the embedded model's tokenizer (llama.cpp needs one)."""
+    from kvstack.weights.resolve import resolve_model
+
+    source = gguf.GGUFReader(resolve_model("smollm2-135m"))
+    fields = {n: f for n, f in source.fields.items() if n.startswith("tokenizer.")}
+    path = tmp_path / "tok.gguf"
+    write_scale_file(path, TINY_DENSE, 1, extra=fields)
+    copied = gguf.GGUFReader(path).fields
+    for name in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        assert copied[name].contents() == fields[name].contents()

@@ -10,6 +10,7 @@ cache folder by shape and layer count.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,10 +76,16 @@ def _q4_0(rng: np.random.Generator, *dims: int) -> np.ndarray:
     return raw.reshape(*outer, cols // 32 * _Q4_0_BYTES)
 
 
-def write_scale_file(path: Path, s: Shape, layers: int) -> None:
-    """A random Q4_0 GGUF of shape `s` with `layers` layers at `path`."""
+def write_scale_file(path: Path, s: Shape, layers: int,
+                     extra: Mapping[str, gguf.ReaderField] | None = None) -> None:
+    """A random Q4_0 GGUF of shape `s` with `layers` layers at `path`; `extra`: key-value
+    fields copied from another file (e.g. its tokenizer)."""
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(path, s.arch)
+    for name, field in (extra or {}).items():
+        kind = field.types[0]
+        w.add_key_value(name, field.contents(), kind,
+                        sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
     w.add_block_count(layers)
     w.add_context_length(8192)
     w.add_embedding_length(s.hidden)
