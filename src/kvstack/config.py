@@ -61,6 +61,11 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise UnsupportedModelError(f"model config {name} must be positive")
 
+    def recurrent_state_bytes(self, itemsize: int) -> tuple[int, int]:
+        """(linear-attention layers, bytes of one sequence's recurrent state over them, the
+        model's element size `itemsize`); (0, 0) for a model whose every layer keeps K/V."""
+        return 0, 0
+
     def layer_windows(self) -> tuple[int | None, ...]:
         """Per layer, how many most recent positions (the query's own included) it attends
         to; None: all of them. Families with sliding-window layers override this."""
@@ -93,6 +98,9 @@ class CacheConfig:
     kv_sink_tokens: int = 4
     # Bytes of chunk entries (blending, `blend/`) kept in memory; the tiers hold them too.
     chunk_cache_memory: int = 512 * 1024**2
+    # Hybrid models (linear-attention layers): keep a recurrent-state snapshot every N blocks
+    # (0: the fewest blocks whose K/V bytes reach one snapshot's), besides the policy's others.
+    state_snapshot_every: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

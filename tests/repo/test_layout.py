@@ -27,7 +27,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(names.split()) for names in
     "config sampling_params outputs argtypes",
     "kernels",
     "kv",
-    "semantic scoring",
+    "semantic scoring recurrent",
     "layers drafts structured samples",
     "models",
     "weights",

@@ -73,6 +73,10 @@ def add_model_args(parser: argparse.ArgumentParser, cache_switches: bool = True)
                        "unchanged): '{\"method\": \"suffix\"}' drafts from suffix trees over "
                        "each request's text and its tenant's earlier outputs; vLLM's "
                        "suffix_decoding_* keys tune them")
+    group.add_argument("--state-snapshot-every", type=non_negative_int, default=0, metavar="N",
+                       help="hybrid models (linear-attention layers): keep a recurrent-state "
+                       "snapshot every N blocks besides prompt, sequence and shared-prefix "
+                       "ends (0: as many blocks as one snapshot's bytes of K/V)")
     add_tier_args(parser)
     if not cache_switches:
         parser.set_defaults(no_kv_cache=False, no_prefix_caching=False)
@@ -132,7 +136,8 @@ def llm_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     if overrides.get("use_kv_cache") is not False:
         kwargs |= {"kv_cache_dtype": args.kv_cache_dtype, "kv_window": args.kv_window,
                    "kv_sink_tokens": args.kv_sink_tokens,
-                   "chunk_cache_memory": getattr(args, "chunk_cache_memory", 512 * 1024**2)}
+                   "chunk_cache_memory": getattr(args, "chunk_cache_memory", 512 * 1024**2),
+                   "state_snapshot_every": getattr(args, "state_snapshot_every", 0)}
         if overrides.get("enable_prefix_caching") is not False:
             kwargs |= tier_kwargs(args)
     return kwargs | overrides

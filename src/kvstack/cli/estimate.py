@@ -17,6 +17,7 @@ from kvstack.errors import InvalidRequestError
 from kvstack.kv.dtypes import KV_CACHE_DTYPES, resolve
 from kvstack.kv.groups import KVLayout, attention_groups
 from kvstack.kv.sizing import KVShape
+from kvstack.recurrent.budget import snapshot_every, split_budget
 from kvstack.units import format_bytes
 
 _SHAPE_FLAGS = ("layers", "kv_heads", "head_dim")
@@ -85,8 +86,10 @@ def run(args: argparse.Namespace) -> int:
     rows: list[tuple[str, str]] = []
     num_heads = args.heads
     layout: KVLayout | None = None
+    state: tuple[int, int] = (0, 0)
     if args.model is not None:
         config = _load_checkpoint(args.model).config
+        state = config.recurrent_state_bytes(4 if args.model_dtype == "float32" else 2)
         if args.kv_window is None:  # the engine's layout (window mode keeps the single one)
             layout = KVLayout.of(config.layer_windows(), kv_dtype)
         shape = KVShape.of(config, kv_dtype, layout, **options)
@@ -122,8 +125,10 @@ def run(args: argparse.Namespace) -> int:
                  _bytes(shape.bytes_for(seq_len, args.batch))))
     if layout is not None and layout.is_hybrid:
         rows += _group_rows(shape, layout, seq_len, args.batch)
+    rows += _state_rows(shape, state, seq_len, args.batch)
     if args.kv_cache_memory is not None:
-        rows += _budget_rows(shape, args.kv_cache_memory, seq_len, args.max_num_seqs)
+        budget = _split_rows(rows, args.kv_cache_memory, state, args.max_num_seqs)
+        rows += _budget_rows(shape, budget, seq_len, args.max_num_seqs)
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
@@ -169,6 +174,41 @@ def _group_rows(shape: KVShape, layout: KVLayout, seq_len: int,
                  f"{format_bytes(all_global * page * batch)}, {all_global / pages:.1f}x less "
                  "(exact: a sliding layer never reads what its window left)"))
     return rows
+
+
+def _split_rows(rows: list[tuple[str, str]], budget: int, state: tuple[int, int],
+                max_num_seqs: int) -> int:
+    """A hybrid model's budget as the engine splits it (a row); the K/V part."""
+    if not state[0]:
+        return budget
+    split = split_budget(budget, state[1], max_num_seqs)
+    rows.append(("recurrent budget",
+                 f"{format_bytes(split.live_bytes)} live states ({max_num_seqs} seqs), "
+                 f"{format_bytes(split.snapshot_bytes)} snapshots, "
+                 f"{format_bytes(split.kv_bytes)} K/V"))
+    return split.kv_bytes
+
+
+def _state_rows(shape: KVShape, state: tuple[int, int], seq_len: int,
+                batch: int) -> list[tuple[str, str]]:
+    """A hybrid model's linear-attention layers: a fixed state per sequence (and per kept
+    snapshot, the same bytes), beside the attention layers' K/V per token."""
+    num_linear, nbytes = state
+    if not num_linear:
+        return []
+    every = snapshot_every(nbytes, shape.bytes_per_block, 0)
+    kv = shape.bytes_for(seq_len, batch)
+    return [
+        ("linear layers", f"{num_linear} linear-attention layers keep no K/V (the shape above "
+                          f"is the {shape.num_layers} attention layers')"),
+        ("state per seq", f"{_bytes(nbytes)}, whatever the length; a prefix-cache snapshot "
+                          "is the same bytes"),
+        ("snapshots", f"every {every} blocks by default ({every * shape.block_size} tokens: "
+                      f"{_bytes(nbytes / (every * shape.block_size))} per cached token at most, "
+                      "besides prompt and sequence ends)"),
+        (f"{seq_len} tokens x {batch} seqs, all",
+         _bytes(kv + nbytes * batch) + " (K/V + live states)"),
+    ]
 
 
 def _attention_kind(num_heads: int, num_kv_heads: int) -> str:

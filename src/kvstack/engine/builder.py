@@ -37,6 +37,9 @@ from kvstack.kv.tiers.control import TierControl
 from kvstack.kv.window import SlidingWindow
 from kvstack.kv.window_mode import WindowModeKV
 from kvstack.models import CausalLM, family_of
+from kvstack.recurrent.budget import snapshot_every, split_budget
+from kvstack.recurrent.plan import RecurrentModel
+from kvstack.recurrent.store import SnapshotPolicy, StateStore
 from kvstack.samples.feature import ParallelSamples
 from kvstack.scoring.prompt import PromptScores
 from kvstack.scoring.store import ScoreStore
@@ -84,6 +87,10 @@ def build_engine(config: EngineConfig, clock: Clock = MONOTONIC) -> EngineParts:
         ckpt.config, torch_dtype(config.dtype), config.quantization, config.kernels == "auto"
     )
     model.load_weights(ckpt.tensors, ckpt.blocks)
+    if isinstance(model, RecurrentModel) and (not cache.use_kv_cache or cache.kv_window):
+        raise InvalidRequestError(
+            f"{family.name} has linear-attention layers, whose state lives beside the paged "
+            "KV cache: keep use_kv_cache on and kv_window unset")
     kv_cache_dtype = resolve(cache.kv_cache_dtype, config.dtype)
     window = (SlidingWindow(cache.kv_window, cache.kv_sink_tokens, cache.block_size)
               if cache.kv_window is not None else None)
@@ -263,7 +270,10 @@ def _build_kv(parts: EngineParts, config: EngineConfig, clock: Clock) -> None:
                        model_dtype=config.dtype, window=cache.kv_window,
                        sink_tokens=cache.kv_sink_tokens)
     max_num_seqs = config.scheduler.max_num_seqs
-    num_blocks = shape.num_blocks_for_budget(cache.kv_cache_memory, max_num_seqs=max_num_seqs)
+    budget = cache.kv_cache_memory
+    if isinstance(parts.model, RecurrentModel):  # live states and snapshots come first
+        budget = split_budget(budget, parts.model.state_nbytes, max_num_seqs).kv_bytes
+    num_blocks = shape.num_blocks_for_budget(budget, max_num_seqs=max_num_seqs)
     if num_blocks < 1:
         raise InvalidRequestError(
             f"kv_cache_memory {cache.kv_cache_memory} B holds no block of "
@@ -298,7 +308,43 @@ def _build_kv(parts: EngineParts, config: EngineConfig, clock: Clock) -> None:
     # int4 storage quantizes a block when its last slot is written in order; placing chunks
     # writes slots out of order. The blended step's row filter lives in the Llama layer loop:
     # models with sliding-window layers (Gemma 3) do not blend.
-    if (parts.window is None and parts.kv_cache_dtype != "int4"
+    if isinstance(parts.model, RecurrentModel):
+        _register_states(parts, config, manager)
+    elif (parts.window is None and parts.kv_cache_dtype != "int4"
             and all(w is None for w in parts.model.config.layer_windows())):
         parts.blender = Blender(parts.model, storage, parts.fingerprint, cache.chunk_cache_memory,
                                 parts.kv_tiers, config.scheduler.max_num_batched_tokens)
+
+
+def _register_states(parts: EngineParts, config: EngineConfig, manager: KVCacheManager) -> None:
+    """A hybrid model's recurrent states (`recurrent/`): live per request, snapshots beside
+    the blocks; a prefix hit ends at a snapshot. Requests whose state could not follow
+    (parallel samples, drafts) are refused."""
+    model = parts.model
+    assert isinstance(model, RecurrentModel) and parts.kv_shape is not None
+    cache, hooks = config.cache, parts.hooks
+    split = split_budget(cache.kv_cache_memory, model.state_nbytes,
+                         config.scheduler.max_num_seqs)
+    policy = SnapshotPolicy(cache.block_size, snapshot_every(
+        model.state_nbytes, parts.kv_shape.bytes_per_block, cache.state_snapshot_every))
+    pool = manager.pool
+    store = StateStore(model, policy, split.snapshot_bytes, manager.block_hashes,
+                       lambda block_hash: pool.lookup(block_hash) is not None)
+    pool.add_listener(store)
+    if manager.enable_prefix_caching:
+        manager.state_cut = store.state_cut
+    else:
+        manager.state_cut = lambda hashes, n: 0
+
+    def on_add(new: NewRequest) -> Callable[[Request], None] | None:
+        if new.num_samples > 1 or new.options.get(DRAFTS_OPTION):
+            raise InvalidRequestError(
+                f"{parts.model_config.architecture} keeps a recurrent state per sequence: "
+                "parallel samples (n, best_of > 1) and draft tokens are not supported")
+        return None
+    hooks.on_add.append(on_add)
+    hooks.before_run.append(store.before_run)
+    hooks.after_step.append(store.after_step)
+    hooks.on_finish.append(lambda request, reason: store.on_finish(request.request_id))
+    hooks.stats.append(store.stats)
+    hooks.features["recurrent"] = store

@@ -189,6 +189,7 @@ class LLMEngine:
         finishing = self._append_samples(batch, result.samples)
         self.scheduler.after_step(batch, [s.num_rejected if s else 0 for s in result.samples])
         self.scores.after_step(s.request for s in batch.scheduled)
+        self.hooks.run_after_step(batch.scheduled)
         for request, reason in finishing:
             self.scheduler.finish(request, reason)
             self.requests.pop(request.request_id, None)

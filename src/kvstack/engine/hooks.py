@@ -51,6 +51,9 @@ OnAdd = Callable[[NewRequest], Callable[[Request], None] | None]
 BeforeSchedule = Callable[[Sequence[Request]], None]
 # Before a scheduled step runs, with its requests.
 BeforeRun = Callable[[Sequence[ScheduledRequest]], None]
+# After a step, once the scheduler advanced the computed counts and published the blocks
+# they completed, with the step's requests.
+AfterStep = Callable[[Sequence[ScheduledRequest]], None]
 # Per step, with the scheduled requests, positions [T] and metadata: the step's layer hook, or
 # None where the feature has nothing to do this step.
 LayerPlanner = Callable[[Sequence[ScheduledRequest], torch.Tensor, StepMetadata],
@@ -86,6 +89,7 @@ class StepHooks:
     before_schedule: list[BeforeSchedule] = field(default_factory=list)
     before_run: list[BeforeRun] = field(default_factory=list)
     layer: list[LayerPlanner] = field(default_factory=list)
+    after_step: list[AfterStep] = field(default_factory=list)
     # The one source of tokens fed after a request's known ones (drafts'); the scheduler asks
     # it per request whose step reaches the end of its known tokens, with the room left.
     extra_tokens: ExtraTokens | None = None
@@ -118,6 +122,10 @@ class StepHooks:
 
     def run_before_run(self, scheduled: Sequence[ScheduledRequest]) -> None:
         for hook in self.before_run:
+            hook(scheduled)
+
+    def run_after_step(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        for hook in self.after_step:
             hook(scheduled)
 
     def layer_hook(self, scheduled: Sequence[ScheduledRequest], positions: torch.Tensor,

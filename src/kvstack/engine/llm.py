@@ -98,6 +98,7 @@ class LLM:
         kv_window: int | None = None,
         kv_sink_tokens: int = 4,
         chunk_cache_memory: int | str = "512MiB",
+        state_snapshot_every: int = 0,
         quantization: str | None = None,
         kernels: str = "auto",
         speculative_config: dict[str, Any] | None = None,
@@ -120,6 +121,7 @@ class LLM:
                 kv_window=kv_window,
                 kv_sink_tokens=kv_sink_tokens,
                 chunk_cache_memory=parse_size(chunk_cache_memory),
+                state_snapshot_every=state_snapshot_every,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -81,6 +81,9 @@ class KVCacheManager:
         self.log = PublicationLog()  # what each published block holds, for `snapshot`
         # Leading blocks a scoring request may take from the cache (`scoring/`); none by default.
         self.score_run: Callable[[Sequence[BlockHash]], int] = lambda hashes: 0
+        # How many leading blocks of a hit of n a request may take: a hybrid model's hit ends
+        # where a recurrent-state snapshot is kept (`recurrent/`); all n by default.
+        self.state_cut: Callable[[Sequence[BlockHash], int], int] = lambda hashes, n: n
 
     @property
     def num_blocks(self) -> int:
@@ -140,7 +143,9 @@ class KVCacheManager:
         if self.tiers is not None and len(hit) < max_blocks:
             restored = restore_run(self.pool, self.tiers, hashes[:max_blocks], hit,
                                    self.publisher(tokens, request.cache_salt, RESTORED))
-        return PrefixHit(hit + restored, (len(hit) + len(restored)) * self.block_size,
+        num = self.state_cut(hashes, len(hit) + len(restored))  # cut blocks stay cached
+        restored = restored[:max(0, num - len(hit))]
+        return PrefixHit((hit + restored)[:num], num * self.block_size,
                          len(restored) * self.block_size, hashes)
 
     def allocate(self, request: KVRequest, num_new_tokens: int,

@@ -1,6 +1,6 @@
 """Model families. Importing this package registers every family."""
 
-from kvstack.models import gemma3, llama, qwen3  # noqa: F401  (each registers itself)
+from kvstack.models import gemma3, llama, qwen3, qwen3_5  # noqa: F401  (each registers itself)
 from kvstack.models.base import CausalLM, ModelFamily
 from kvstack.models.registry import family_of
 
