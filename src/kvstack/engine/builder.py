@@ -130,7 +130,9 @@ def register_features(parts: EngineParts, config: EngineConfig, clock: Clock) ->
     hooks.options |= {"blend", "num_scored"}
     vocab_size = parts.model_config.vocab_size
     drafts = DraftTracker(parts.kv_storage is not None and parts.kv_storage.lossy,
-                          parts.kv_manager.accepts_drafts,
+                          # a recurrent state cannot take back rejected draft tokens
+                          parts.kv_manager.accepts_drafts
+                          and not isinstance(parts.model, RecurrentModel),
                           lambda ids: check_token_ids(ids, vocab_size), config.drafts)
     hooks.features["drafts"] = drafts  # `LLMEngine.forget_drafts`
     hooks.on_add.append(drafts.on_add)  # after the others: it refused a request last
