@@ -40,6 +40,30 @@ def cli_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+def type_of(prop: dict[str, Any]) -> str:
+    """A property's JSON type(s), e.g. `number or null`, `array of string`."""
+    if "anyOf" in prop:
+        return " or ".join(dict.fromkeys(type_of(p) for p in prop["anyOf"]))
+    if "$ref" in prop:
+        return prop["$ref"].rsplit("/", 1)[-1]
+    if prop.get("type") == "array" and "items" in prop:
+        return f"array of {type_of(prop['items'])}"
+    if "enum" in prop:
+        return " / ".join(json.dumps(v) for v in prop["enum"])
+    if "const" in prop:
+        return json.dumps(prop["const"])
+    return str(prop.get("type", "any"))
+
+
+def body_table(schema: dict[str, Any]) -> list[str]:
+    required = set(schema.get("required", []))
+    lines = ["| field | type | default |", "|---|---|---|"]
+    for name, prop in schema.get("properties", {}).items():
+        default = "required" if name in required else json.dumps(prop.get("default"))
+        lines.append(f"| `{name}` | {type_of(prop).replace('|', '/')} | {default} |")
+    return lines
+
+
 def http_page(schema: dict[str, Any]) -> str:
     lines = ["# HTTP API reference", "",
              f"_Generated from the server's OpenAPI schema ({schema['info']['title']} "
@@ -59,6 +83,9 @@ def http_page(schema: dict[str, Any]) -> str:
                 kind = param.get("schema", {}).get("type", "any")
                 need = "required" if param.get("required") else "optional"
                 lines.append(f"- `{param['name']}` ({param['in']}, {kind}, {need})")
+            body = op.get("requestBody", {}).get("content", {}).get("application/json")
+            if body:
+                lines += ["", "JSON body:", "", *body_table(body["schema"])]
             codes = ", ".join(sorted(op.get("responses", {})))
             lines += ["", f"Responses: {codes}."]
     return "\n".join(lines) + "\n"

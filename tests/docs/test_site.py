@@ -53,6 +53,9 @@ def test_the_http_reference_has_every_route_of_the_schema(site: Path) -> None:
     assert {"/v1/chat/completions", "/v1/messages", "/v1/responses", "/metrics"} <= set(paths)
     for path in paths:
         assert f"<code>{path}</code>" in page, path
+    # The bodies the handlers parse themselves are in it, field by field.
+    assert "requestBody" in paths["/v1/chat/completions"]["post"]
+    assert "<code>prompt_lookup</code>" in page and "<code>previous_response_id</code>" in page
     assert (site / "reference" / "openapi.json").is_file()
 
 

@@ -25,6 +25,7 @@ from kvstack.server.auth import KeyRing
 from kvstack.server.body import BodyLimit
 from kvstack.server.engine_client import EngineClient
 from kvstack.server.errors import error_response, install_handlers
+from kvstack.server.openapi import add_bodies
 from kvstack.server.responses import api as responses_api
 from kvstack.server.responses.sqlite_store import open_store
 from kvstack.server.state import ServerConfig, ServerState
@@ -79,7 +80,7 @@ def openapi_schema() -> dict[str, Any]:
     docs' HTTP reference is generated from it. The live view's page (`/ui`) is not in it."""
     app = FastAPI(title="kvstack", version=__version__)
     _add_api_routes(app)
-    return app.openapi()
+    return add_bodies(app.openapi())
 
 
 def _add_api_routes(app: FastAPI) -> None:
