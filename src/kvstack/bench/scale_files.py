@@ -82,26 +82,7 @@ def write_scale_file(path: Path, s: Shape, layers: int,
     fields copied from another file (e.g. its tokenizer)."""
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(path, s.arch)
-    for name, field in (extra or {}).items():
-        kind = field.types[0]
-        w.add_key_value(name, field.contents(), kind,
-                        sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    w.add_block_count(layers)
-    w.add_context_length(8192)
-    w.add_embedding_length(s.hidden)
-    w.add_feed_forward_length(s.inter or s.expert_inter)
-    w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
-    w.add_rope_dimension_count(s.head_dim)
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(s.vocab)
-    if s.experts:
-        w.add_expert_count(s.experts)
-        w.add_expert_used_count(s.top_k)
-        w.add_expert_feed_forward_length(s.expert_inter)
+    _header(w, s, layers, extra or {})
 
     def q4(name: str, *dims: int) -> None:
         w.add_tensor(name, _q4_0(rng, *dims), raw_dtype=QType.Q4_0)
@@ -139,3 +120,28 @@ def write_scale_file(path: Path, s: Shape, layers: int,
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _header(w: gguf.GGUFWriter, s: Shape, layers: int,
+            extra: Mapping[str, gguf.ReaderField]) -> None:
+    """The key-value part: `extra` first, then the shape as llama.cpp reads it."""
+    for name, field in extra.items():
+        kind = field.types[0]
+        w.add_key_value(name, field.contents(), kind,
+                        sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    w.add_block_count(layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.inter or s.expert_inter)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(s.vocab)
+    if s.experts:
+        w.add_expert_count(s.experts)
+        w.add_expert_used_count(s.top_k)
+        w.add_expert_feed_forward_length(s.expert_inter)
