@@ -39,7 +39,7 @@ STEP_DRAFTS = (1, 3, 7, 15)
 
 
 def run(subject: Subject, options: BenchOptions) -> CaseResult:
-    kv_bytes = subject.kv_shape().bytes_for(4096, 8)
+    kv_bytes = subject.kv_shape().bytes_for(4096, 4)  # two engines: 4 sequences each
     llm = subject.llm(kv_cache_memory=kv_bytes)
     step_cost = _step_cost(subject, llm, 3 if options.quick else 7)
     # A draft row's cost as a share of a 1-token step, from the 1 + 7-token step measured here.
