@@ -72,7 +72,9 @@ def test_hit_resumes_from_snapshot_exactly(folder: Path, hf: Any) -> None:
     # every block has a snapshot: the hit is every full block of the shared 30 tokens
     assert cached == 28
     assert second == hf_greedy(hf, longer)
-    assert len(store(llm)) > 0
+    stats = llm.engine.stats()
+    assert stats.state_snapshots == len(store(llm)) > 0
+    assert stats.state_snapshot_bytes == stats.state_snapshots * 19200
 
 
 def test_multi_turn_computes_only_new_tokens(folder: Path, hf: Any) -> None:
@@ -132,3 +134,14 @@ def test_refuses_what_a_recurrent_state_cannot_follow(folder: Path) -> None:
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(n=2, max_tokens=2))
     with pytest.raises(InvalidRequestError, match="use_kv_cache"):
         tiny_llm(folder, use_kv_cache=False)
+
+
+def test_engine_wide_drafts_leave_greedy_exact(folder: Path, hf: Any) -> None:
+    # suffix drafts would propose the repeated pattern; a rejected draft token would have
+    # advanced the recurrent state, so the engine feeds none for a recurrent model
+    llm = tiny_llm(folder, speculative_config={"method": "suffix"})
+    prompt = tokens(6, 40) * 5
+    for _ in range(2):
+        [(out, _)] = run(llm, [prompt])
+        assert out == hf_greedy(hf, prompt)
+    assert llm.engine.stats().num_draft_tokens == 0

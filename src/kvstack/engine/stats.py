@@ -22,6 +22,9 @@ class EngineStats:
     suffix_cached_outputs: int = 0
     suffix_cached_tokens: int = 0
     suffix_global_drafts: int = 0
+    # Hybrid models (`recurrent/`): recurrent-state snapshots kept beside the cached blocks.
+    state_snapshots: int = 0
+    state_snapshot_bytes: int = 0
     # The KV manager's `KVUsage`, field for field (zero without a KV cache):
     block_size: int = 0
     num_blocks_total: int = 0
