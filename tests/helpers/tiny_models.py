@@ -293,14 +293,14 @@ def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
 _K_QUANTIZERS = {QType.Q4_K: _quantize_q4_k, QType.Q5_K: _quantize_q5_k, QType.Q6_K: _quantize_q6_k}
 
 
-def make_tiny_chat_folder(tmp_path: Path, tokenizer: Any) -> Path:
+def make_tiny_chat_folder(tmp_path: Path, tokenizer: Any, context: int = 2048) -> Path:
     """A seeded random Llama small enough to run instantly, with a real tokenizer and chat
     template (the embedded model's `tokenizer`, saved beside it): what the HTTP server needs,
     at a fraction of a real model's cost. Its answers are gibberish, but deterministic."""
     torch.manual_seed(0)
     config = LlamaConfig(**{**_BASE, "vocab_size": len(tokenizer), "hidden_size": 64,
                             "intermediate_size": 128, "head_dim": 16,
-                            "max_position_embeddings": 2048})
+                            "max_position_embeddings": context})
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for param in model.parameters():

@@ -229,11 +229,14 @@ CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+     "tool_choice"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}],
+      "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"tools": [{"type": "computer"}]}, "tools"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"background": True}, "background"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "maximal"}}, "reasoning"),
     ({"input": []}, "input"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},

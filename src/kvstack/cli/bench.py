@@ -52,14 +52,17 @@ CASES = {
               "themselves (file edits, tool calls echoing results, plans; batch 1 and 4) and "
               "plain chat: decode tok/s up to the first loop, accepted tokens per step, the "
               "cost of a 1+k-token step",
+    "agents": "Claude Code, Codex and Qwen Code (`make agent-clis`) run headless twice each "
+              "against `kvstack serve`: pass/fail, wall time, TTFT and cached tokens per request",
     "agent": "an agent loop (~1,500-token system prompt + tools, 12 turns of ~150-token tool "
              "results, 4 conversations): Responses with previous_response_id vs chat resending "
              "the history, prefix cache on and off (TTFT per turn); idle ones resumed from disk",
 }
 # `all` runs these: the cluster case needs Ray and redis-server and takes most of an hour; load
 # runs two servers under guidellm for about 20 minutes (`make bench-load`, with its peer);
-# long_decode prefills 16k and 32k tokens in both engines for about 15 minutes.
-ALL_CASES = [name for name in CASES if name not in ("cluster", "load", "long_decode")]
+# long_decode prefills 16k and 32k tokens in both engines for about 15 minutes; agents needs
+# the npm CLIs (`make bench-agents`).
+ALL_CASES = [name for name in CASES if name not in ("cluster", "load", "long_decode", "agents")]
 # bench cluster's runs, in order (kvstack.bench.cluster.RUNS; a test keeps both the same)
 # `bench peers --isa`: kvstack.kernels.isa.ISAS (not imported here: `--help` stays light)
 KERNEL_ISAS = ("avx512", "avx2")
@@ -107,7 +110,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         parents = [shared, *{"throughput": [peer_batch], "serve": [serve_url],
                              "cluster": [cluster], "ui": [serve_url],
                              "peers": [kernels], "score": [_score_flags()],
-                             "load": [_load_flags()]}.get(name, [])]
+                             "load": [_load_flags()], "agents": [serve_url]}.get(name, [])]
         cases.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
                          parents=parents)
     cases.add_parser("all", help="every case in order: " + ", ".join(ALL_CASES),

@@ -28,10 +28,12 @@ from kvstack.blend.params import BlendParams, BlendSpec
 from kvstack.blend.segments import mark
 from kvstack.engine.chat import chat_token_ids
 from kvstack.errors import InvalidRequestError
+from kvstack.server.anthropic_fields import check_context_management, check_thinking
 from kvstack.server.anthropic_wire import AnthropicWire, Prompt
 from kvstack.server.auth import AuthTenant
 from kvstack.server.blend_api import check_blend_input, document_block_text, segment_ids
 from kvstack.server.body import parse_body
+from kvstack.server.chat_roles import place_system_turns
 from kvstack.server.errors import ApiError
 from kvstack.server.lifecycle import respond
 from kvstack.server.protocol import CacheControl, ContentBlock, MessagesRequest
@@ -65,13 +67,16 @@ async def messages(request: Request, tenant: AuthTenant) -> JSONResponse | Strea
         raise ApiError(400, "n is not part of the Anthropic Messages API: one request gives "
                             "one message; send n requests (or use /v1/chat/completions)",
                        param="n")
+    check_thinking(body.thinking, body.max_tokens)
+    edits_asked = check_context_management(body.context_management)
     prompt = _build_prompt(state, body)
     choice = prompt.tool_choice
     output_format = body.output_config.format if body.output_config else None
     structured = structured_outputs(
         body, json_schema=output_format.json_schema if output_format else None,
         tool_constraint=constraint(prompt.tools, choice) if choice else None)
-    params = state.sampling_params(body, state.max_tokens(body.max_tokens, len(prompt.token_ids)),
+    params = state.sampling_params(body, state.max_tokens(body.max_tokens, len(prompt.token_ids),
+                                                         api="anthropic"),
                                    stop=body.stop_sequences, structured_outputs=structured)
     salt = tenant.cache_salt(body.cache_salt)
     probe = None
@@ -80,7 +85,7 @@ async def messages(request: Request, tenant: AuthTenant) -> JSONResponse | Strea
         probe = await state.semantic.probe(tenant, "anthropic.messages", key_text, context,
                                            params, body.max_tokens, body.semantic_cache,
                                            body.cache_salt)
-    wire = AnthropicWire(state, prompt, salt, probe)
+    wire = AnthropicWire(state, prompt, salt, probe, edits_asked)
     stream = state.start(prompt.token_ids, params, wire.id, salt, probe, prompt.blend)
     return await respond(request, stream, wire, bool(body.stream), probe)
 
@@ -138,6 +143,7 @@ class _Conversation:
         if cut.num_blocks:
             role, texts = self.turns[cut.num_messages]
             messages.append({"role": role, "content": "\n".join(texts[: cut.num_blocks])})
+        messages = place_system_turns(self.tokenizer, messages)
         prefill = self.turns[-1][0] == "assistant"  # the model continues a final assistant turn
         if self.docs:  # only the documents this prefix reaches (a breakpoint may cut before)
             docs = [d for i, d in enumerate(self.docs)
@@ -187,7 +193,11 @@ def _build_prompt(state: ServerState, body: MessagesRequest) -> Prompt:
     for i, message in enumerate(body.messages):
         texts = []
         for j, block in enumerate(_blocks(message.content, f"messages[{i}]")):
-            texts.append(_block_text(block, f"messages[{i}].content[{j}]", talk.docs))
+            where = f"messages[{i}].content[{j}]"
+            if message.role == "system" and block.type != "text":
+                raise InvalidRequestError(f"{where}: a system message takes text blocks only, "
+                                          f"not {block.type!r}")
+            texts.append(_block_text(block, where, talk.docs))
             if block.cache_control:
                 marks.append((_Cut(len(talk.system), i, j + 1), block.cache_control))
         talk.turns.append((message.role, texts))

@@ -72,8 +72,11 @@ class AnthropicWire:
     `tool_use` block (a named tool's input streams as it is generated)."""
 
     def __init__(self, state: ServerState, prompt: Prompt, cache_salt: str | None,
-                 probe: Probe | None) -> None:
+                 probe: Probe | None, edits_asked: bool = False) -> None:
         self.state = state
+        # The request asked for context_management edits: answers report those applied (none).
+        self.edits: dict[str, Any] = {"context_management": {"applied_edits": []}} \
+            if edits_asked else {}
         self.prompt = prompt
         self.cache_salt = cache_salt
         self.probe = probe
@@ -109,7 +112,7 @@ class AnthropicWire:
             reason = "tool_use" if calls else reason
         return {"id": self.id, "type": "message", "role": "assistant",
                 "model": self.state.model_name, "content": content, "stop_reason": reason,
-                "stop_sequence": sequence, "usage": self.usage.as_dict(out)}
+                "stop_sequence": sequence, "usage": self.usage.as_dict(out), **self.edits}
 
     def opening(self, first: RequestOutput) -> Iterable[str]:
         yield _event("message_start", {"message": self.whole(None)})
@@ -155,7 +158,7 @@ class AnthropicWire:
             reason = "tool_use"
         yield _event("message_delta", {
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": self.usage.as_dict(out),
+            "usage": self.usage.as_dict(out), **self.edits,
         })
         yield _event("message_stop", {})
 

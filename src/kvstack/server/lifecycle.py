@@ -2,7 +2,8 @@
 
 `respond` starts from an `OutputStream` (a model run or a semantic-cache replay), waits for
 the first output before answering (so refusals such as a full queue still get their status
-code), then answers whole or as server-sent events, storing a finished answer in the semantic
+code; a stream waits at most KEEPALIVE_S, then answers and keeps the connection alive), then
+answers whole or as server-sent events, storing a finished answer in the semantic
 cache when the request looked it up. The stream is closed (the engine request aborted) on
 every path: an error, a client that leaves, a finished answer. Each API supplies a
 `WireFormat` that writes its own JSON shapes.
@@ -10,6 +11,7 @@ every path: an error, a client that leaves, a finished answer. Each API supplies
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
@@ -21,6 +23,13 @@ from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.server.errors import from_exception
 from kvstack.server.generation import OutputStream, final_output, unless_disconnected
 from kvstack.server.semantic_api import Probe
+
+# A stream whose first token takes longer than this is answered at once (status and
+# headers) and sent a comment this often until the token comes: a long prefill on a slow CPU
+# must not look like a dead connection to clients with idle timeouts (Claude Code gives up
+# on a request that has not answered in a few minutes, then sends it again).
+KEEPALIVE_S = 10.0
+KEEPALIVE = ": keep-alive\n\n"
 
 
 class WireFormat(Protocol):
@@ -62,8 +71,14 @@ class WireFormat(Protocol):
 
 async def respond(request: Request, stream: OutputStream, wire: WireFormat, streaming: bool,
                   probe: Probe | None) -> JSONResponse | StreamingResponse:
+    pending = asyncio.ensure_future(stream.next())
     try:
-        first = await unless_disconnected(request, stream.next())
+        first = await unless_disconnected(request, _within(pending, KEEPALIVE_S if streaming
+                                                           else None))
+        if first is None:  # a stream whose first token is slow: answer now, keep it alive
+            return StreamingResponse(_late_events(request, stream, wire, pending, probe),
+                                     media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache", **wire.headers})
         await wire.started(first)
         if not streaming:
             out = await unless_disconnected(request, final_output(stream, first))
@@ -71,6 +86,7 @@ async def respond(request: Request, stream: OutputStream, wire: WireFormat, stre
                 await probe.store(out)
             return JSONResponse(wire.whole(out), headers=wire.headers)
     except BaseException:
+        pending.cancel()
         stream.close()
         raise
     finally:
@@ -79,6 +95,38 @@ async def respond(request: Request, stream: OutputStream, wire: WireFormat, stre
     return StreamingResponse(_events(request, stream, wire, first, probe),
                              media_type="text/event-stream",
                              headers={"cache-control": "no-cache", **wire.headers})
+
+
+async def _within(pending: asyncio.Future[RequestOutput],
+                  timeout_s: float | None) -> RequestOutput | None:
+    """`pending`'s output, or None if it is not there within `timeout_s` (None: wait)."""
+    done, _ = await asyncio.wait({pending}, timeout=timeout_s)
+    return pending.result() if done else None
+
+
+async def _late_events(request: Request, stream: OutputStream, wire: WireFormat,
+                       pending: asyncio.Future[RequestOutput],
+                       probe: Probe | None) -> AsyncIterator[str]:
+    """The events of a stream answered before its first token: an SSE comment every
+    KEEPALIVE_S until the token comes (every SSE parser skips comments), then as usual;
+    the request's error, if it fails before, in-band."""
+    try:
+        while not (await asyncio.wait({pending}, timeout=KEEPALIVE_S))[0]:
+            yield KEEPALIVE
+        first = pending.result()
+        await wire.started(first)
+    except Exception as err:
+        stream.close()
+        yield wire.error(json.loads(bytes(from_exception(request.url.path, err).body)))
+        for event in wire.done():
+            yield event
+        return
+    except BaseException:  # the client left
+        pending.cancel()
+        stream.close()
+        raise
+    async for event in _events(request, stream, wire, first, probe):
+        yield event
 
 
 async def _events(request: Request, stream: OutputStream, wire: WireFormat,

@@ -24,6 +24,7 @@ from kvstack.server.blend_api import (
     completion_segments,
 )
 from kvstack.server.body import parse_body
+from kvstack.server.context_limit import Api
 from kvstack.server.errors import ApiError
 from kvstack.server.lifecycle import respond
 from kvstack.server.openai_wire import OpenAIWire, Prompts, ToolUse
@@ -90,7 +91,8 @@ async def completions(request: Request, tenant: AuthTenant) -> JSONResponse | St
     if body.echo and body.logprobs is not None:  # OpenAI's echo scores the prompt too
         prompt_k = max(prompt_k or 0, body.logprobs)
     params = [_sampling(state, body, len(ids), max_tokens, default_max_tokens=16,
-                        logprobs=body.logprobs, best_of=body.best_of, prompt_logprobs=prompt_k)
+                        api="completions", logprobs=body.logprobs, best_of=body.best_of,
+                        prompt_logprobs=prompt_k)
               for ids in batch]
     probe = None
     if (state.semantic is not None and body.segments is None and len(batch) == 1
@@ -259,12 +261,12 @@ def _arguments(index: int, function: Any) -> dict[str, Any]:
 
 def _sampling(state: ServerState, body: OpenAISampling, num_prompt_tokens: int,
               max_tokens: int | None, default_max_tokens: int | None = None,
-              logprobs: int | None = None, best_of: int | None = None,
+              api: Api = "chat", logprobs: int | None = None, best_of: int | None = None,
               tool_use: ToolUse | None = None, prompt_logprobs: int | None = None
               ) -> SamplingParams:
     tool_constraint = constraint(tool_use.tools, tool_use.choice) if tool_use else None
     return state.sampling_params(
-        body, state.max_tokens(max_tokens, num_prompt_tokens, default_max_tokens),
+        body, state.max_tokens(max_tokens, num_prompt_tokens, default_max_tokens, api),
         n=body.n, best_of=best_of, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, stop=body.stop, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,

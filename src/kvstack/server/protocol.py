@@ -178,7 +178,8 @@ class ContentBlock(_Body):
 
 
 class AnthropicMessage(_Body):
-    role: Literal["user", "assistant"]
+    # system: Claude Code's mid-conversation system messages (server/anthropic_fields.py)
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 
@@ -221,3 +222,6 @@ class MessagesRequest(ExtraSampling):
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     blend: dict[str, Any] | None = None  # document / search_result blocks become chunks
+    # Checked, reported, never producing thinking blocks (server/anthropic_fields.py).
+    thinking: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None

@@ -12,10 +12,11 @@ from typing import Any
 from fastapi import Request
 
 from kvstack.blend.params import BlendSpec
-from kvstack.errors import InvalidRequestError, PromptTooLongError
+from kvstack.errors import InvalidRequestError
 from kvstack.sampling_params import SamplingParams
 from kvstack.semantic.cache import SemanticCacheConfig
 from kvstack.server.auth import KeyRing
+from kvstack.server.context_limit import Api, context_overflow
 from kvstack.server.engine_client import EngineClient
 from kvstack.server.errors import ApiError
 from kvstack.server.generation import Generation, OutputStream
@@ -86,26 +87,23 @@ class ServerState:
                                 f"{self.model_name!r}", param="model", code="model_not_found")
 
     def max_tokens(self, requested: int | None, num_prompt_tokens: int,
-                   default: int | None = None) -> int | None:
-        """Refuse a prompt or an output that cannot fit the context; fill in a default.
+                   default: int | None = None, api: Api = "chat") -> int | None:
+        """Refuse a prompt or an output that cannot fit the context, in `api`'s words
+        (server/context_limit.py); fill in a default, never shrink what was asked.
 
         Without a request or route default the output may use the rest of the context (and of
         the KV pool, so a lone request always fits). In window mode nothing is refused."""
         context = self.max_model_len
         if self.unbounded_context:
             return requested if requested is not None else (default or context)
+        if requested is not None and requested >= 1 \
+                and num_prompt_tokens + requested > context:
+            raise context_overflow(api, num_prompt_tokens, requested, context)
         if num_prompt_tokens >= context:
-            raise PromptTooLongError(num_prompt_tokens, context)
+            raise context_overflow(api, num_prompt_tokens, None, context)
         if requested is None:
             room = min(context, self.pool_tokens or context) - num_prompt_tokens
             return max(1, min(room, default if default is not None else room))
-        if requested >= 1 and num_prompt_tokens + requested > context:
-            raise ApiError(
-                400,
-                f"max_tokens {requested} plus the prompt's {num_prompt_tokens} tokens exceeds "
-                f"the model's context of {context} tokens; lower max_tokens",
-                param="max_tokens", code="context_length_exceeded",
-            )
         return requested  # values below 1 are refused by SamplingParams, with its message
 
     def sampling_params(self, body: ExtraSampling, max_tokens: int | None,

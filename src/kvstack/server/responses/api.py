@@ -33,6 +33,7 @@ from kvstack.server.responses.listing import listed, page
 from kvstack.server.responses.prompt import Prompt, build_prompt, request_tools
 from kvstack.server.responses.retention import retained
 from kvstack.server.responses.store import Store, StoredResponse, token_array
+from kvstack.server.responses.tool_kinds import check_include, check_reasoning, offered_tools
 from kvstack.server.responses.wire import Keep, ResponsesWire
 from kvstack.server.state import ServerState, server_state
 from kvstack.server.structured import structured_outputs
@@ -46,6 +47,10 @@ async def create_response(request: Request,
     state = server_state(request)
     body = refuse_unsupported(await parse_body(request, ResponsesRequest))
     state.check_model(body.model)
+    check_include(body.include)
+    echo = _echo(body, check_reasoning(body.reasoning))
+    offered = offered_tools(body.tools, body.tool_choice)
+    body = body.model_copy(update={"tools": offered.functions})
     store, owner = response_store(request), tenant_id(tenant)
     previous = None
     if body.previous_response_id is not None:
@@ -61,8 +66,9 @@ async def create_response(request: Request,
                                    structured_outputs=structured)
     listing = (*_history(previous), *listed(items))
     keep = _keeper(store, owner, prompt, listing) if body.store else _forget
-    wire = ResponsesWire(state.model_name, _echo(body), tools.use if tools else None,
-                         len(prompt.token_ids), keep)
+    wire = ResponsesWire(state.model_name, echo, tools.use if tools else None,
+                         len(prompt.token_ids), keep, offered.namespace_of)
+    wire.headers.update(offered.warning())
     salt = tenant.cache_salt(body.cache_salt)
     stream = state.start(prompt.token_ids, params, wire.id, salt)
     if body.store:  # store: false keeps nothing, its blocks included
@@ -126,7 +132,7 @@ def _max_tokens(state: ServerState, body: ResponsesRequest, prompt: Prompt) -> i
                             f"{len(prompt.token_ids)} tokens with this input, over the model's "
                             f"context of {context}; start a new conversation",
                        param="previous_response_id", code="context_length_exceeded")
-    return state.max_tokens(body.max_output_tokens, len(prompt.token_ids))
+    return state.max_tokens(body.max_output_tokens, len(prompt.token_ids), api="responses")
 
 
 def _keeper(store: Store, owner: str, prompt: Prompt,
@@ -149,13 +155,13 @@ def _forget(body: dict[str, Any], out: RequestOutput) -> None:
     return None  # store: false keeps nothing
 
 
-def _echo(body: ResponsesRequest) -> dict[str, Any]:
-    """The request's fields a response object repeats."""
+def _echo(body: ResponsesRequest, reasoning: dict[str, Any]) -> dict[str, Any]:
+    """The request's fields a response object repeats (its tools as sent)."""
     return {
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls
         is not False, "previous_response_id": body.previous_response_id,
-        "reasoning": {"effort": None, "summary": None}, "store": body.store,
+        "reasoning": reasoning, "store": body.store,
         "temperature": body.temperature, "top_p": body.top_p,
         "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
         "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],

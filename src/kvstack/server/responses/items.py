@@ -22,7 +22,7 @@ Message = dict[str, Any]
 
 class ResponsesRequest(ExtraSampling):
     """POST /v1/responses. Fields OpenAI defines that change nothing here (metadata, include,
-    user, truncation "disabled", prompt_cache_key, service_tier) are accepted as they are."""
+    reasoning, user, truncation "disabled", prompt_cache_key, service_tier) are accepted."""
 
     model: str
     input: str | list[dict[str, Any]]
@@ -41,9 +41,9 @@ class ResponsesRequest(ExtraSampling):
     include: list[str] | None = None
     user: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
+    reasoning: dict[str, Any] | None = None  # accepted, no reasoning mode (tool_kinds.py)
     # Refused when set (see `refuse_unsupported`).
     background: bool | None = None
-    reasoning: dict[str, Any] | None = None
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: int | None = None
@@ -56,9 +56,6 @@ def refuse_unsupported(body: ResponsesRequest) -> ResponsesRequest:
     if body.background:
         raise ApiError(400, "background responses are not supported; send background: false "
                             "and wait for the answer (or stream it)", param="background")
-    if body.reasoning and any(v is not None for v in body.reasoning.values()):
-        raise ApiError(400, "reasoning is not supported: the model has no reasoning mode; "
-                            "leave reasoning out", param="reasoning")
     for name in ("conversation", "prompt", "max_tool_calls", "top_logprobs"):
         if getattr(body, name) is not None:
             raise ApiError(400, f"{name} is not supported by this server; leave it out",

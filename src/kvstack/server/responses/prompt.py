@@ -17,7 +17,9 @@ from typing import Any
 import jinja2
 
 from kvstack.engine.chat import chat_token_ids
+from kvstack.errors import InvalidRequestError
 from kvstack.sampling_params import StructuredOutputsParams
+from kvstack.server.chat_roles import fit_roles
 from kvstack.server.errors import ApiError
 from kvstack.server.openai_wire import ToolUse
 from kvstack.server.responses.items import Conversation, Message, ResponsesRequest, extend
@@ -109,8 +111,20 @@ def build_prompt(tokenizer: Any, body: ResponsesRequest, tools: Tools | None,
         ids = _continuation(tokenizer, previous, [*system, *history.messages], new, listed)
         if ids is not None:
             return Prompt(ids, talk, True)
-    return Prompt(chat_token_ids(tokenizer, [*system, *talk.messages], tools=listed), talk,
-                  False)
+    return Prompt(_render(tokenizer, [*system, *talk.messages], listed), talk, False)
+
+
+def _render(tokenizer: Any, messages: list[Message],
+            tools: list[dict[str, Any]] | None) -> list[int]:
+    """Token ids of `messages`; a template that refuses them as sent gets them fitted to
+    its roles (server/chat_roles.py), and refuses only if it refuses those too."""
+    try:
+        return chat_token_ids(tokenizer, messages, tools=tools)
+    except InvalidRequestError:
+        fitted = fit_roles(tokenizer, messages)
+        if fitted == messages:
+            raise
+        return chat_token_ids(tokenizer, fitted, tools=tools)
 
 
 def _continuation(tokenizer: Any, previous: StoredResponse, head: list[Message],

@@ -25,7 +25,8 @@ Keep = Callable[[dict[str, Any], RequestOutput], None]
 
 class ResponsesWire:
     def __init__(self, model: str, echo: dict[str, Any], tool_use: ToolUse | None,
-                 num_prompt_tokens: int, keep: Keep) -> None:
+                 num_prompt_tokens: int, keep: Keep,
+                 namespace_of: dict[str, str] | None = None) -> None:
         self.headers: dict[str, str] = {}
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
@@ -35,6 +36,7 @@ class ResponsesWire:
             ToolStream(tool_use.tools, tool_use.choice, "call_")
         self._num_prompt_tokens = num_prompt_tokens
         self._keep = keep
+        self._namespace_of = namespace_of or {}  # a call's tool -> the namespace it came in
         self._message_id = f"msg_{uuid.uuid4().hex}"
         self._seq = 0
         self._open = False  # the message item and its text part are out
@@ -165,9 +167,12 @@ class ResponsesWire:
             items.append({"id": self._message_id, "type": "message", "status": status,
                           "role": "assistant", "content": [_text_part(text)]})
         for call in calls or []:
-            items.append({"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call",
-                          "status": "completed", "call_id": call.id, "name": call.name,
-                          "arguments": call.arguments})
+            item = {"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call",
+                    "status": "completed", "call_id": call.id, "name": call.name,
+                    "arguments": call.arguments}
+            if call.name in self._namespace_of:
+                item["namespace"] = self._namespace_of[call.name]
+            items.append(item)
         return items
 
 
