@@ -233,16 +233,28 @@ def test_a_stream_with_a_slow_first_token_is_answered_at_once_and_kept_alive(
     monkeypatch.setattr(lifecycle, "KEEPALIVE_S", 0.001)  # any prefill is "slow" now
     long = [{"role": "user", "content": "Tell me about the sea. " * 40}]
     r = api.message(messages=long, stream=True)
-    assert r.status_code == 200 and lifecycle.KEEPALIVE in r.text
     events = [line.split(": ", 1)[1] for line in r.text.splitlines()
               if line.startswith("event: ")]
-    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert r.status_code == 200 and events[0] == "ping"  # Anthropic's own keep-alive
+    assert events[events.index("message_start") - 1] == "ping" and events[-1] == "message_stop"
+    r = api.response(input="Tell me about the sea. " * 40, stream=True)
+    kinds = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.in_progress"]
+    assert kinds.count("response.created") == 1 and kinds[-1] == "response.incomplete"
 
-    async def chat() -> str:
+    async def read_all() -> tuple[str, str, Any]:
         stream = await api.openai.chat.completions.create(
             model=MODEL, messages=long, max_tokens=4, temperature=0, stream=True)
-        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-    assert api.run(chat())  # the SDK reads past the comments
+        chat = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        async with api.claude.messages.stream(model=MODEL, max_tokens=4, messages=long
+                                              ) as messages:
+            text = "".join([t async for t in messages.text_stream])
+        events = await api.openai.responses.create(model=MODEL, input=long[0]["content"],
+                                                   max_output_tokens=4, store=False,
+                                                   stream=True)
+        return chat, text, [e async for e in events][-1]
+    chat, text, last = api.run(read_all())  # each SDK reads past the keep-alives
+    assert chat and text and last.response.usage.output_tokens == 4
     late = api.message(messages=long, stream=True, max_tokens=10**6)  # refused before any
     assert late.status_code == 400  # token: still a status code, not an in-band error
     api.llm.engine.check_integrity()

@@ -97,3 +97,23 @@ def test_claude_code_overflow_gets_the_400_its_retry_keys_on(api: AsgiClients) -
     usage = delta["usage"]
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] \
         + usage["cache_creation_input_tokens"] == num_input
+
+
+def test_codex_first_turn_is_served_with_its_namespace_and_hosted_tools(
+        api: AsgiClients) -> None:
+    first = fixture("codex")["requests"][0]
+    body = first["body"]
+    kinds = [t["type"] for t in body["tools"]]
+    assert "namespace" in kinds and "web_search" in kinds and body["reasoning"]
+    # Codex sends no max_output_tokens (a random model would fill the context): capped here.
+    r = replay(api, first, max_output_tokens=4)
+    assert r.status_code == 200, r.text
+    assert "web_search" in r.headers["warning"]
+    events = sse_events(r.text)
+    names = [name for name, _ in events]
+    assert names[:2] == ["response.created", "response.in_progress"]
+    assert names[-1] in ("response.completed", "response.incomplete")
+    response = events[-1][1]["response"]
+    assert not any(item["type"] == "reasoning" for item in response["output"])
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+    assert response["tools"] == body["tools"]  # echoed as sent

@@ -165,6 +165,9 @@ class AnthropicWire:
     def error(self, body: dict[str, Any]) -> str:
         return _event("error", body)
 
+    def keepalive(self) -> str:
+        return _event("ping", {})  # Anthropic's own keep-alive; the SDKs skip it
+
     def done(self) -> Iterable[str]:
         return ()
 

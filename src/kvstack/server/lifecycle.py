@@ -68,6 +68,12 @@ class WireFormat(Protocol):
         """Events that end every stream, after an error too."""
         ...
 
+    def keepalive(self) -> str:
+        """What a stream answered before its first token is sent every KEEPALIVE_S: an
+        event the API defines where clients' idle timers count only events (Anthropic's
+        `ping`, the Responses API's `response.in_progress`), else an SSE comment."""
+        ...
+
 
 async def respond(request: Request, stream: OutputStream, wire: WireFormat, streaming: bool,
                   probe: Probe | None) -> JSONResponse | StreamingResponse:
@@ -107,12 +113,12 @@ async def _within(pending: asyncio.Future[RequestOutput],
 async def _late_events(request: Request, stream: OutputStream, wire: WireFormat,
                        pending: asyncio.Future[RequestOutput],
                        probe: Probe | None) -> AsyncIterator[str]:
-    """The events of a stream answered before its first token: an SSE comment every
-    KEEPALIVE_S until the token comes (every SSE parser skips comments), then as usual;
-    the request's error, if it fails before, in-band."""
+    """The events of a stream answered before its first token: the wire's keep-alive
+    every KEEPALIVE_S until the token comes, then as usual; the request's error, if it
+    fails before, in-band."""
     try:
         while not (await asyncio.wait({pending}, timeout=KEEPALIVE_S))[0]:
-            yield KEEPALIVE
+            yield wire.keepalive()
         first = pending.result()
         await wire.started(first)
     except Exception as err:

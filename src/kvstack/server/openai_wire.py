@@ -13,7 +13,7 @@ from typing import Any
 from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.server.batch import part_of
 from kvstack.server.blend_api import blend_usage
-from kvstack.server.lifecycle import sse
+from kvstack.server.lifecycle import KEEPALIVE, sse
 from kvstack.server.logprobs import (
     TokenText,
     chat_logprobs,
@@ -232,6 +232,9 @@ class OpenAIWire:
 
     def error(self, body: dict[str, Any]) -> str:
         return sse(body)
+
+    def keepalive(self) -> str:
+        return KEEPALIVE  # an SSE comment: the SDKs skip it
 
     def done(self) -> Iterable[str]:
         yield "data: [DONE]\n\n"

@@ -39,6 +39,7 @@ class ResponsesWire:
         self._namespace_of = namespace_of or {}  # a call's tool -> the namespace it came in
         self._message_id = f"msg_{uuid.uuid4().hex}"
         self._seq = 0
+        self._announced = False  # response.created is out
         self._open = False  # the message item and its text part are out
         self._sent = 0  # characters of message text sent
 
@@ -53,6 +54,18 @@ class ResponsesWire:
     # -- streamed ---------------------------------------------------------------------------
 
     def opening(self, first: RequestOutput) -> Iterable[str]:
+        if not self._announced:
+            yield from self._announce()
+
+    def keepalive(self) -> str:
+        """Before the first token: the response is created, then in progress again and
+        again (Codex's idle timer counts events, not SSE comments)."""
+        if not self._announced:
+            return "".join(self._announce())
+        return self._event("response.in_progress", response=self._response(None))
+
+    def _announce(self) -> Iterable[str]:
+        self._announced = True
         body = self._response(None)
         yield self._event("response.created", response=body)
         yield self._event("response.in_progress", response=body)
