@@ -7,8 +7,6 @@ is gone. Key: (page, a piece of the block's text)."""
 from __future__ import annotations
 
 NOT_EXECUTED: dict[tuple[str, str], str] = {
-    ("README.md", 'claude -p "Say hello" --output-format json'):
-        "needs the `claude` CLI from npm, which the test environment does not install",
     ("docs/serving/scoring.md", "lm_eval run --model local-completions"):
         "downloads the hellaswag data set; tests/eval runs the same harness backend on "
         "tasks it writes itself",
