@@ -32,7 +32,7 @@ from kvstack.kernels.gemma_step import (
     step_supported,
 )
 from kvstack.kernels.gguf import GGUFLinear
-from kvstack.kernels.linear import Linear, prefill_attention_dtype
+from kvstack.kernels.linear import prefill_attention_dtype
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.layers.attention import (
     AttentionMetadata,
@@ -44,6 +44,7 @@ from kvstack.layers.attention import (
 )
 from kvstack.layers.rope import inv_frequencies
 from kvstack.models.base import ModelFamily
+from kvstack.models.embedding import embed_rows, embedding_nbytes
 from kvstack.models.gemma3_config import (
     FULL,
     GEMMA3_ARCHITECTURES,
@@ -152,28 +153,14 @@ class Gemma3ForCausalLM:
     @property
     def num_weight_bytes(self) -> int:
         """Bytes of the weights as held: GGUF blocks as the file's bytes, a tied head once."""
-        total = self.lm_head.num_bytes
-        embed = self.embed
-        if isinstance(embed, GGUFLinear) and embed is not self.lm_head:
-            total += embed.num_bytes
-        elif isinstance(embed, torch.Tensor) and embed is not getattr(self.lm_head, "weight",
-                                                                       None):
-            total += embed.numel() * embed.element_size()
+        total = self.lm_head.num_bytes + embedding_nbytes(self.embed, self.lm_head)
         for layer in self.layers:
             total += sum(lin.num_bytes for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
             total += 4 * (4 * self.config.hidden_size + 2 * self.config.head_dim)
         return total + 4 * self.config.hidden_size
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed, GGUFLinear):
-            rows = self.embed.rows(input_ids, self.dtype)
-        elif self.embed is not None:
-            rows = self.embed[input_ids]
-        else:
-            head = self.lm_head
-            assert isinstance(head, Linear) and head.scale is not None
-            rows = (head.weight[input_ids].float() * head.scale[input_ids, None]).to(self.dtype)
-        return rows * self.embed_scale
+        return embed_rows(self.embed, self.lm_head, input_ids, self.dtype) * self.embed_scale
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,

@@ -21,11 +21,13 @@ from kvstack.errors import ModelLoadError, UnsupportedModelError
 from kvstack.kernels import ops as kernel_ops
 from kvstack.kernels.decode_step import DecodeStep, LayerWeights, StepCaches, runs_in_decode_step
 from kvstack.kernels.gguf import GGUFLinear
-from kvstack.kernels.linear import Linear, prefill_attention_dtype
+from kvstack.kernels.linear import prefill_attention_dtype
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.layers.attention import AttentionMetadata, LayerHook, StepMetadata, paged_attention
 from kvstack.layers.rope import RotaryEmbedding
 from kvstack.models.base import ModelFamily
+from kvstack.models.embedding import embed_rows, embedding_nbytes
+from kvstack.models.embedding import tensor_nbytes as _nbytes
 from kvstack.models.linears import AnyLinear, LinearBuilder
 from kvstack.models.registry import register
 
@@ -98,24 +100,13 @@ class LlamaForCausalLM:
             lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
         ]
         total = sum(lin.num_bytes for lin in linears) + _nbytes(self.final_norm)
-        embed = self.embed
-        if isinstance(embed, GGUFLinear) and embed is not self.lm_head:
-            total += embed.num_bytes
-        elif isinstance(embed, torch.Tensor) and embed is not getattr(self.lm_head, "weight",
-                                                                       None):
-            total += _nbytes(embed)
+        total += embedding_nbytes(self.embed, self.lm_head)
         for layer in self.layers:
             total += _nbytes(layer.input_norm) + _nbytes(layer.post_norm)
         return total
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed, GGUFLinear):
-            return self.embed.rows(input_ids, self.dtype)
-        if self.embed is not None:
-            return self.embed[input_ids]
-        head = self.lm_head
-        assert isinstance(head, Linear) and head.scale is not None
-        return (head.weight[input_ids].float() * head.scale[input_ids, None]).to(self.dtype)
+        return embed_rows(self.embed, self.lm_head, input_ids, self.dtype)
 
     @torch.inference_mode()
     def forward(
@@ -267,10 +258,6 @@ class _KernelOps(_Ops):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return kernel_ops.silu_mul(gate_up)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 # -- the family: config mapping and tensor checks ---------------------------------------------

@@ -20,12 +20,14 @@ from kvstack.config import ModelConfig
 from kvstack.errors import UnsupportedModelError
 from kvstack.kernels import ops as kernel_ops
 from kvstack.kernels.gguf import GGUFLinear
-from kvstack.kernels.linear import Linear, prefill_attention_dtype
+from kvstack.kernels.linear import prefill_attention_dtype
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.layers.attention import AttentionMetadata, LayerHook, StepMetadata, paged_attention
 from kvstack.layers.moe import SparseMoE, silu_mul
 from kvstack.layers.rope import RotaryEmbedding
 from kvstack.models.base import ModelFamily
+from kvstack.models.embedding import embed_rows, embedding_nbytes
+from kvstack.models.embedding import tensor_nbytes as _nbytes
 from kvstack.models.linears import AnyLinear, LinearBuilder
 from kvstack.models.llama import rms_norm
 from kvstack.models.qwen3_config import (
@@ -122,25 +124,14 @@ class Qwen3ForCausalLM:
     def num_weight_bytes(self) -> int:
         """Bytes of the weights as held (a tied head counts once; every expert)."""
         total = self.lm_head.num_bytes + _nbytes(self.final_norm)
-        embed = self.embed
-        if isinstance(embed, GGUFLinear) and embed is not self.lm_head:
-            total += embed.num_bytes
-        elif isinstance(embed, torch.Tensor) and embed is not getattr(self.lm_head, "weight",
-                                                                       None):
-            total += _nbytes(embed)
+        total += embedding_nbytes(self.embed, self.lm_head)
         for ly in self.layers:
             total += ly.qkv.num_bytes + ly.o.num_bytes + ly.mlp.num_bytes
             total += sum(_nbytes(t) for t in (ly.input_norm, ly.post_norm, ly.q_norm, ly.k_norm))
         return total
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed, GGUFLinear):
-            return self.embed.rows(input_ids, self.dtype)
-        if self.embed is not None:
-            return self.embed[input_ids]
-        head = self.lm_head
-        assert isinstance(head, Linear) and head.scale is not None
-        return (head.weight[input_ids].float() * head.scale[input_ids, None]).to(self.dtype)
+        return embed_rows(self.embed, self.lm_head, input_ids, self.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
@@ -216,10 +207,6 @@ class Qwen3ForCausalLM:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows that sample) -> float32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 QWEN3 = register(ModelFamily(

@@ -23,6 +23,8 @@ from kvstack.layers import gated_delta as gd
 from kvstack.layers.attention import LayerHook, StepMetadata, paged_attention
 from kvstack.layers.rope import RotaryEmbedding
 from kvstack.models.base import ModelFamily
+from kvstack.models.embedding import embedding_nbytes
+from kvstack.models.embedding import tensor_nbytes as _nbytes
 from kvstack.models.linears import AnyLinear, LinearBuilder
 from kvstack.models.qwen3 import DenseMLP
 from kvstack.models.qwen3_5_config import (
@@ -126,8 +128,7 @@ class Qwen3_5ForCausalLM:
     @property
     def num_weight_bytes(self) -> int:
         total = self.lm_head.num_bytes + _nbytes(self.final_norm)
-        if isinstance(self.embed, torch.Tensor):
-            total += _nbytes(self.embed)
+        total += embedding_nbytes(self.embed, self.lm_head)
         for ly in self.layers:
             total += ly.mixer_in.num_bytes + ly.mixer_out.num_bytes + ly.mlp.num_bytes
         return total
@@ -195,10 +196,6 @@ class Qwen3_5ForCausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 QWEN3_5 = register(ModelFamily(
