@@ -5,6 +5,7 @@ per part and the llama-bench command and parsing. Timings are never asserted."""
 from __future__ import annotations
 
 import json
+import shlex
 import stat
 import sys
 from pathlib import Path
@@ -19,8 +20,7 @@ from kvstack.bench.peers import llama_bench
 from kvstack.cli.main import main
 from kvstack.errors import InvalidRequestError
 
-FAKE = """#!{python}
-import json, sys
+FAKE = """import json, sys
 args = sys.argv[1:]
 with open({log!r}, "a") as f:
     f.write(" ".join(args) + "\\n")
@@ -36,8 +36,12 @@ print(json.dumps([{{"n_prompt": 0, "n_gen": gen, "n_depth": depth, "type_k": "f1
 
 def fake_llama_bench(folder: Path, fail: bool = False) -> tuple[Path, Path]:
     log = folder / "argv.txt"
+    script = folder / "llama_bench_fake.py"
+    script.write_text(FAKE.format(log=str(log), fail=fail))
+    # A shell wrapper, not a `#!python` line: a shebang cannot hold a path with spaces.
     path = folder / "llama-bench"
-    path.write_text(FAKE.format(python=sys.executable, log=str(log), fail=fail))
+    python, fake = shlex.quote(sys.executable), shlex.quote(str(script))
+    path.write_text(f'#!/bin/sh\nexec {python} {fake} "$@"\n')
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return path, log
 
