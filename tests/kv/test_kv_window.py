@@ -242,7 +242,7 @@ def test_cli_refuses_bad_windows_in_one_line(capsys: pytest.CaptureFixture[str],
 
 
 def test_the_server_does_not_refuse_long_conversations_in_window_mode() -> None:
-    from kvstack.errors import PromptTooLongError
+    from kvstack.server.errors import ApiError
     from kvstack.server.state import ServerState
 
     state = ServerState.__new__(ServerState)  # only its context arithmetic is under test
@@ -250,9 +250,10 @@ def test_the_server_does_not_refuse_long_conversations_in_window_mode() -> None:
     assert state.max_tokens(500, 1000) == 500
     assert state.max_tokens(None, 1000) == 128
     assert state.max_tokens(None, 1000, default=16) == 16
-    state.unbounded_context = False
-    with pytest.raises(PromptTooLongError):
+    state.unbounded_context = False  # outside window mode the same prompt is refused
+    with pytest.raises(ApiError) as refused:
         state.max_tokens(None, 1000)
+    assert (refused.value.status, refused.value.code) == (400, "context_length_exceeded")
 
 
 def test_a_prompt_shorter_than_the_sinks_and_tiny_chunks_work() -> None:
