@@ -150,7 +150,7 @@ def test_playground_refuses_bad_bodies_in_the_api_shape(served: dict[str, Any]) 
                         ({"mode": "chat", "messages": []}, "at least one message"),
                         ({"mode": "chat", "extra": 1}, "extra"),
                         ({"mode": "completion", "prompt": "hi", "max_tokens": 10**6},
-                         "max_tokens")):
+                         "in the prompt, 1000000 in the completion")):
         r = httpx.post(url + "/ui/api/playground", json=body, headers=auth(KEY_A), timeout=60)
         assert r.status_code == 400, (body, r.text)
         assert words in r.json()["error"]["message"], (body, r.text)

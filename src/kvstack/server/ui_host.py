@@ -41,7 +41,8 @@ def build_ui(state: ServerState, engine: AsyncLLM, interval_s: float = 1.0) -> U
         engine=engine, model_name=state.model_name,
         auth_required=state.keys.enabled,
         authorize=authorize, labels=state.keys.labels(), start=start,
-        max_tokens=lambda asked, num_prompt: state.max_tokens(asked, num_prompt, 64),
+        max_tokens=lambda asked, num_prompt, chat: state.max_tokens(
+            asked, num_prompt, 64, api="chat" if chat else "completions"),
         semantic_counts=semantic_counts,
     )
     service = UiService(host, interval_s)

@@ -90,7 +90,8 @@ def sampling_params(service: UiService, body: PlaygroundRequest,
     """The run's sampling parameters; a prompt or output that cannot fit raises here, before
     the stream begins, so the page gets a 4xx."""
     return SamplingParams(temperature=body.temperature,
-                          max_tokens=service.host.max_tokens(body.max_tokens, num_prompt_tokens),
+                          max_tokens=service.host.max_tokens(body.max_tokens, num_prompt_tokens,
+                                                             body.mode == "chat"),
                           prompt_lookup=body.prompt_lookup)
 
 

@@ -53,7 +53,8 @@ class UiHost:
     labels: Mapping[str | None, str]  # cache salt -> tenant label, for the admin's view
     # (prompt ids, sampling params, request id, cache salt) -> a running request
     start: Callable[[list[int], SamplingParams, str, str | None], OutputStream]
-    max_tokens: Callable[[int | None, int], int | None]  # (asked, prompt length) -> allowed
+    # (asked, prompt length, chat: refused in chat's words, else a completion's) -> allowed
+    max_tokens: Callable[[int | None, int, bool], int | None]
     semantic_counts: Callable[[], SemanticCounts | None] = lambda: None
 
 
