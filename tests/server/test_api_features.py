@@ -102,7 +102,18 @@ def test_chat_logprobs_with_top_alternatives(api: Clients) -> None:
         assert entry.bytes and bytes(entry.bytes).decode("utf-8", "replace")
     streamed = [e for chunk in api.chat_stream(logprobs=True, top_logprobs=3, max_tokens=5)
                 for c in chunk.choices if c.logprobs for e in c.logprobs.content]
-    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    # Tokens, bytes and alternatives are identical; the values may differ in the last bits,
+    # since the second request is a prefix hit whose last prompt token is computed in a
+    # smaller step (another matmul shape, another summation order).
+    assert _logprob_tokens(streamed) == _logprob_tokens(content)
+    for got, want in zip(streamed, content, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        for g, w in zip(got.top_logprobs, want.top_logprobs, strict=True):
+            assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+
+
+def _logprob_tokens(entries: list[Any]) -> list[tuple[str, list[str]]]:
+    return [(e.token, [t.token for t in e.top_logprobs]) for e in entries]
 
 
 def test_completion_logprobs_map_alternatives_by_text(api: Clients) -> None:
