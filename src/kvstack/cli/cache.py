@@ -154,10 +154,17 @@ def _entry(tier: str, name: str, size: int, head: bytes, age_s: float | None) ->
     except BlockFault as err:
         from kvstack.blend.codec import parse_chunk_header  # torch: only when listing
 
+        from kvstack.recurrent.codec import parse_snapshot_header
+
         try:
             c = parse_chunk_header(head)
         except BlockFault:
-            return BlockEntry(tier, name, size, None, f"bad header: {err}", age_s)
+            try:
+                s = parse_snapshot_header(head)
+            except BlockFault:
+                return BlockEntry(tier, name, size, None, f"bad header: {err}", age_s)
+            return BlockEntry(tier, name, size, s.fingerprint, f"state snapshot ({s.dtype} "
+                              f"linear layers={s.num_layers}; hybrid model)", age_s)
         return BlockEntry(tier, name, size, c.fingerprint, f"chunk entry ({c.dtype} layers="
                           f"{c.num_layers} tokens={c.num_tokens}; blending)", age_s)
     describe = (f"{h.dtype} layers={h.num_layers} kv_heads={h.num_kv_heads} "

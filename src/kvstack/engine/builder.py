@@ -38,8 +38,10 @@ from kvstack.kv.window import SlidingWindow
 from kvstack.kv.window_mode import WindowModeKV
 from kvstack.models import CausalLM, family_of
 from kvstack.recurrent.budget import snapshot_every, split_budget
+from kvstack.recurrent.codec import SnapshotFormat
 from kvstack.recurrent.plan import RecurrentModel
 from kvstack.recurrent.store import SnapshotPolicy, StateStore
+from kvstack.recurrent.tiers import SnapshotTiers
 from kvstack.samples.feature import ParallelSamples
 from kvstack.scoring.prompt import PromptScores
 from kvstack.scoring.store import ScoreStore
@@ -330,8 +332,10 @@ def _register_states(parts: EngineParts, config: EngineConfig, manager: KVCacheM
     policy = SnapshotPolicy(cache.block_size, snapshot_every(
         model.state_nbytes, parts.kv_shape.bytes_per_block, cache.state_snapshot_every))
     pool = manager.pool
+    # kept snapshots go to the tiers the blocks go to (and come back from them)
+    tiers = SnapshotTiers(SnapshotFormat(parts.fingerprint, model.new_states()), parts.kv_tiers)
     store = StateStore(model, policy, split.snapshot_bytes, manager.block_hashes,
-                       lambda block_hash: pool.lookup(block_hash) is not None)
+                       lambda block_hash: pool.lookup(block_hash) is not None, tiers)
     pool.add_listener(store)
     if manager.enable_prefix_caching:
         manager.state_cut = store.state_cut

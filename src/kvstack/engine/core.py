@@ -27,6 +27,8 @@ from kvstack.kv.snapshot import KVSnapshot
 from kvstack.kv.tiers.base import BlockTiers, TierStats
 from kvstack.layers.sampler import Sampler
 from kvstack.outputs import DRAFT, MODEL, RequestOutput
+from kvstack.recurrent.store import StateStore
+from kvstack.recurrent.tiers import SnapshotSide
 from kvstack.sampling_params import SamplingParams
 
 
@@ -262,6 +264,10 @@ class LLMEngine:
         """Prefix hits restore from, new blocks write through to, `tiers` (wrapping kv_tiers)."""
         if not self.kv_manager.set_tiers(tiers):
             raise InvalidRequestError("block tiers need the prefix cache; turn it on")
+        store = self.hooks.features.get("recurrent")
+        if isinstance(store, StateStore) and store.tiers is not None:
+            # a hybrid model's snapshots travel beside the blocks where these tiers carry them
+            store.tiers.side = tiers if isinstance(tiers, SnapshotSide) else None
 
     # -- tier control (`kv/tiers/control.py`) -----------------------------------------------
 

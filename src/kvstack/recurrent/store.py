@@ -6,7 +6,8 @@ chained hash of the block it ends (so it names its whole prefix, salt and model 
 lives only while the pool caches that block (the store listens to the pool: eviction drops
 it) and under a byte cap (least recently used first). `state_cut` ends a hit at the last
 block that has a snapshot whose checksum holds; a hit restores it into the request's live
-state before the step runs.
+state before the step runs. With tiers (`tiers.py`), a kept snapshot is written through beside
+its block and one missing from memory is looked up there.
 
 Which block boundaries keep one (`SnapshotPolicy`): every `every` blocks; the last boundary
 of each prompt; the last boundary a sequence reached before it finished (a conversation's
@@ -26,6 +27,7 @@ import torch
 
 from kvstack.kv.block_hash import BlockHash
 from kvstack.recurrent.plan import LinearState, RecurrentModel, SequenceStep, StepStates
+from kvstack.recurrent.tiers import SnapshotTiers
 
 
 class _Request(Protocol):
@@ -87,13 +89,16 @@ class StateStore:
 
     def __init__(self, model: RecurrentModel, policy: SnapshotPolicy, max_bytes: int,
                  block_hashes: Callable[[str], list[BlockHash]],
-                 is_cached: Callable[[BlockHash], bool]) -> None:
+                 is_cached: Callable[[BlockHash], bool],
+                 tiers: SnapshotTiers | None = None) -> None:
         self.model, self.policy, self.max_bytes = model, policy, max_bytes
+        self.tiers = tiers  # where kept snapshots are written through and looked up
         self._block_hashes, self._is_cached = block_hashes, is_cached
         self._live: dict[str, _Live] = {}
         self._snaps: OrderedDict[BlockHash, Snapshot] = OrderedDict()
         self.nbytes = 0
         self.num_bad = 0  # snapshots dropped for a failed checksum
+        self._cut: dict[BlockHash, Snapshot] = {}  # where this step's hits resume
         # per scheduled request: (its id, (stop offset, block count, kept by the policy))
         self._pending: list[tuple[str, list[tuple[int, int, bool]]]] = []
 
@@ -114,23 +119,45 @@ class StateStore:
 
     # -- the KV manager's side ---------------------------------------------------------------
     def state_cut(self, hashes: Sequence[BlockHash], num: int) -> int:
-        """The longest n <= num whose block n - 1 has a sound snapshot (0: from scratch)."""
+        """The longest n <= num whose block n - 1 has a sound snapshot (0: from scratch);
+        one not in memory is looked up in the tiers (the blocks up to it are cached)."""
         for n in range(num, 0, -1):
             snap = self._snaps.get(hashes[n - 1])
+            if snap is None and self.tiers is not None and self.tiers.active:
+                snap = self._restore(hashes[n - 1])
             if snap is None:
                 continue
             if checksum(snap.states) != snap.checksum:
                 self._drop(hashes[n - 1])  # a corrupt snapshot is a miss, never a wrong state
                 self.num_bad += 1
                 continue
-            self._snaps.move_to_end(hashes[n - 1])
+            if hashes[n - 1] in self._snaps:
+                self._snaps.move_to_end(hashes[n - 1])
+            # held until the step ran: another admission's snapshot must not evict it first
+            self._cut[hashes[n - 1]] = snap
             return n
         return 0
 
+    def _restore(self, h: BlockHash) -> Snapshot | None:
+        assert self.tiers is not None
+        found = self.tiers.fetch(h)
+        if found is None:
+            return None
+        states, crc = found
+        snap = Snapshot(states, crc, sum(s.nbytes for s in states))
+        self._keep(h, snap)
+        return snap
+
     def put(self, h: BlockHash, states: Sequence[LinearState]) -> None:
+        """Keep a snapshot taken at the end of block `h` (cached) and write it through."""
         if h in self._snaps or not self._is_cached(h):
             return
         snap = _snapshot(states)
+        self._keep(h, snap)
+        if self.tiers is not None:
+            self.tiers.store(h, snap.states, snap.checksum)
+
+    def _keep(self, h: BlockHash, snap: Snapshot) -> None:
         if snap.nbytes > self.max_bytes:
             return
         while self.nbytes + snap.nbytes > self.max_bytes:
@@ -174,7 +201,8 @@ class StateStore:
         if position == 0:
             states = self.model.new_states()
         else:  # admitted with a hit, which `state_cut` ended at a snapshot
-            snap = self._snaps[hashes[position // bs - 1]]
+            h = hashes[position // bs - 1]
+            snap = self._cut.get(h) or self._snaps[h]
             states = [st.clone() for st in snap.states]
         live = self._live[request_id] = _Live(position, states, shared)
         return live
@@ -184,6 +212,7 @@ class StateStore:
         published by now); remember each sequence's latest boundary."""
         steps = self.model.step_states
         self.model.step_states = None
+        self._cut.clear()
         if steps is None:
             return
         for (rid, stops), seq in zip(self._pending, steps.sequences, strict=True):

@@ -76,9 +76,12 @@ class PrefillReplica(EngineReplica):
             yield last
             return
         yield replace(last, finished=False, outputs=[replace(out, finish_reason=None)])
-        blocks = self.tiers.export(self._run_hashes(request))
+        hashes = self._run_hashes(request)
+        blocks = self.tiers.export(hashes)
         num_tokens = len(blocks) * self.layout.block_size
         blocks += self.tiers.export(self._window_hashes(request, len(blocks)), leading=False)
+        if blocks and num_tokens:  # a hybrid model's state at the run's end, if it kept one
+            blocks += self.tiers.export_snapshot(hashes[num_tokens // self.layout.block_size - 1])
         ref = self.courier.put(blocks)
         lease = self.leases.hold(self.name, ref)
         yield Handoff(lease, self.name, ref, len(blocks), sum(len(b) for b in blocks),

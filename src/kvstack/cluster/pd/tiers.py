@@ -12,6 +12,10 @@ It wraps the engine's own chain (disk, Redis; or none) and adds one store in fro
   *decode* engine computed (the tenant's salt included), finds only blocks of exactly its
   tokens; restoring is then a copy into the storage. A block missing ends the run: the rest
   is recomputed.
+- A hybrid model's recurrent-state snapshots (`recurrent/tiers.py`: a `SnapshotSide`) ride
+  along: the prefill role captures each one its engine keeps (encoded), `export_snapshot`
+  adds the one ending the handed-over run, the decode role keeps it in the inbox by its key
+  and the engine's state store checks and takes it when the prefix match ends there.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from kvstack.kv.block_hash import BlockHash
 from kvstack.kv.storage.base import KVCacheStorage
 from kvstack.kv.tiers.base import BlockTiers, TierStats
 from kvstack.kv.tiers.codec import BlockFault, BlockFormat, parse_header
+from kvstack.recurrent.codec import parse_snapshot_header, snapshot_key
 
 
 class HandoffTiers:
@@ -43,6 +48,9 @@ class HandoffTiers:
         self._captured: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
         self._captured_nbytes = 0
         self._inbox: dict[BlockHash, torch.Tensor] = {}  # checked payloads, uint8 [1, bytes]
+        # encoded state snapshots by `snapshot_key`: captured (prefill), received (decode)
+        self._snapshots_captured: OrderedDict[bytes, bytes] = OrderedDict()
+        self._snapshots: dict[bytes, bytes] = {}
         self._owners: dict[BlockHash, set[str]] = {}  # request ids a received block serves
 
     # -- decode role: the inbox -------------------------------------------------------------
@@ -51,8 +59,15 @@ class HandoffTiers:
         """Check and keep a request's received blocks (until `release`); returns how many
         passed (the rest are dropped and counted by fault kind). Blocking: call it off the
         event loop and the step thread."""
-        checked = []
+        checked, snapshots = [], []
         for data in blocks:
+            if data[:8] == b"KVSTSNP\0":  # a state snapshot: the state store checks it all
+                try:
+                    snapshots.append((snapshot_key(parse_snapshot_header(data).block_hash),
+                                      data))
+                except BlockFault as fault:
+                    self.stats.fault(fault.kind)
+                continue
             try:
                 block_hash = parse_header(data).block_hash
                 payload = self.format.decode(block_hash, data)
@@ -66,7 +81,10 @@ class HandoffTiers:
             for block_hash, tensor in checked:
                 self._inbox[block_hash] = tensor
                 self._owners.setdefault(block_hash, set()).add(request_id)
-        return len(checked)
+            for key, data in snapshots:
+                self._snapshots[key] = data
+                self._owners.setdefault(key, set()).add(request_id)
+        return len(checked) + len(snapshots)
 
     def release(self, request_id: str) -> None:
         """Drop what `request_id` received and no other request still needs."""
@@ -77,11 +95,12 @@ class HandoffTiers:
                 if not ids:
                     del self._owners[block_hash]
                     self._inbox.pop(block_hash, None)
+                    self._snapshots.pop(block_hash, None)
 
     @property
     def num_inbox_blocks(self) -> int:
         with self._lock:
-            return len(self._inbox)
+            return len(self._inbox) + len(self._snapshots)
 
     # -- prefill role: the capture ----------------------------------------------------------
 
@@ -98,6 +117,27 @@ class HandoffTiers:
                     continue
                 run.append((block_hash, block))
         return [self.format.encode(h, block.numpy().data) for h, block in run]
+
+    # -- SnapshotSide (`recurrent/tiers.py`) -------------------------------------------------
+
+    def capture_snapshot(self, block_hash: BlockHash, data: bytes) -> None:
+        if not self.capture_bytes:
+            return
+        with self._lock:
+            self._snapshots_captured[snapshot_key(block_hash)] = data
+            # a state is MBs: the few latest are what a handoff can still use
+            while len(self._snapshots_captured) > 64:
+                self._snapshots_captured.popitem(last=False)
+
+    def received_snapshot(self, block_hash: BlockHash) -> bytes | None:
+        with self._lock:
+            return self._snapshots.get(snapshot_key(block_hash))
+
+    def export_snapshot(self, block_hash: BlockHash) -> list[bytes]:
+        """The encoded snapshot ending at `block_hash`, if one was captured (else none)."""
+        with self._lock:
+            data = self._snapshots_captured.get(snapshot_key(block_hash))
+        return [] if data is None else [data]
 
     # -- BlockTiers -------------------------------------------------------------------------
 
