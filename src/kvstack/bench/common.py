@@ -71,6 +71,7 @@ class BenchOptions:
     sim_replicas: tuple[int, ...] = ()
     sim_tenants: tuple[int, ...] = ()
     duration: float | None = None  # load: seconds per concurrency level (None: the default)
+    minutes: float | None = None  # soak: how long the traffic runs (None: the default)
 
     @property
     def threads_text(self) -> str:

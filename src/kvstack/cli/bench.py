@@ -57,12 +57,16 @@ CASES = {
     "agent": "an agent loop (~1,500-token system prompt + tools, 12 turns of ~150-token tool "
              "results, 4 conversations): Responses with previous_response_id vs chat resending "
              "the history, prefix cache on and off (TTFT per turn); idle ones resumed from disk",
+    "soak": "mixed traffic for --minutes (agent-CLI replays, SDK chat and Responses chains, "
+            "guidellm-style bursts, hostile bodies, disconnects, a restart halfway): RSS, KV "
+            "blocks, pins, open files, threads and TTFT/ITL every minute; growth and drift",
 }
 # `all` runs these: the cluster case needs Ray and redis-server and takes most of an hour; load
 # runs two servers under guidellm for about 20 minutes (`make bench-load`, with its peer);
 # long_decode prefills 16k and 32k tokens in both engines for about 15 minutes; agents needs
-# the npm CLIs (`make bench-agents`).
-ALL_CASES = [name for name in CASES if name not in ("cluster", "load", "long_decode", "agents")]
+# the npm CLIs (`make bench-agents`); soak runs for an hour by default.
+ALL_CASES = [name for name in CASES
+             if name not in ("cluster", "load", "long_decode", "agents", "soak")]
 # bench cluster's runs, in order (kvstack.bench.cluster.RUNS; a test keeps both the same)
 # `bench peers --isa`: kvstack.kernels.isa.ISAS (not imported here: `--help` stays light)
 KERNEL_ISAS = ("avx512", "avx2")
@@ -110,7 +114,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         parents = [shared, *{"throughput": [peer_batch], "serve": [serve_url],
                              "cluster": [cluster], "ui": [serve_url],
                              "peers": [kernels], "score": [_score_flags()],
-                             "load": [_load_flags()], "agents": [serve_url]}.get(name, [])]
+                             "load": [_load_flags()], "agents": [serve_url],
+                             "soak": [_soak_flags()]}.get(name, [])]
         cases.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".",
                          parents=parents)
     cases.add_parser("all", help="every case in order: " + ", ".join(ALL_CASES),
@@ -179,6 +184,13 @@ def _load_flags() -> argparse.ArgumentParser:
     return load
 
 
+def _soak_flags() -> argparse.ArgumentParser:
+    soak = argparse.ArgumentParser(add_help=False)
+    soak.add_argument("--minutes", type=positive_float, default=None, metavar="N",
+                      help="how long the traffic runs (default 60; --quick 0.5)")
+    return soak
+
+
 def _cluster_flags() -> argparse.ArgumentParser:
     cluster = argparse.ArgumentParser(add_help=False)
     cluster.add_argument("--simulate", action="store_true",
@@ -244,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
         sim_replicas=tuple(getattr(args, "sim_replicas", None) or ()),
         sim_tenants=tuple(getattr(args, "sim_tenants", None) or ()),
         duration=getattr(args, "duration", None),
+        minutes=getattr(args, "minutes", None),
     )
     names = ALL_CASES if args.case == "all" else [args.case]
     with _kernels(getattr(args, "isa", None)):

@@ -5,6 +5,12 @@ token ids, and with the disk or Redis tier their K/V is found there (a prefix hi
 One row per (tenant, response id), written in its own transaction when the response finishes;
 past `max_entries` the oldest rows go, as in memory. Token ids are stored as the 4-byte
 arrays the memory store keeps; the rest as JSON.
+
+Durability: the row is committed before the client is answered (the wire calls `put` before
+the non-streamed body or the stream's `response.completed` event is sent), in WAL mode with
+`synchronous=FULL`, so the commit returns only after the write-ahead log is fsynced: an
+acknowledged response survives `kill -9` of the server and a power cut alike. (WAL with
+NORMAL would survive a killed process but could lose the last commits to a power cut.)
 """
 
 from __future__ import annotations
@@ -62,7 +68,8 @@ class SqliteResponseStore:
             raise InvalidRequestError(f"cannot open the responses database {path}: {err}") \
                 from err
         try:
-            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(_SCHEMA)
             self._db.execute("SELECT count(*) FROM responses").fetchone()
         except sqlite3.DatabaseError as err:
