@@ -37,6 +37,7 @@ from kvstack.server.chat_roles import place_system_turns
 from kvstack.server.errors import ApiError
 from kvstack.server.lifecycle import respond
 from kvstack.server.protocol import CacheControl, ContentBlock, MessagesRequest
+from kvstack.server.reasoning import thinking_kwargs, thinking_of
 from kvstack.server.semantic_api import split_conversation
 from kvstack.server.state import ServerState, server_state
 from kvstack.server.structured import structured_outputs
@@ -85,7 +86,9 @@ async def messages(request: Request, tenant: AuthTenant) -> JSONResponse | Strea
         probe = await state.semantic.probe(tenant, "anthropic.messages", key_text, context,
                                            params, body.max_tokens, body.semantic_cache,
                                            body.cache_salt)
-    wire = AnthropicWire(state, prompt, salt, probe, edits_asked)
+    wire = AnthropicWire(state, prompt, salt, probe, edits_asked,
+                         thinking=thinking_of(state.tokenizer, prompt.token_ids),
+                         show_thinking=_thinking_on(body))
     stream = state.start(prompt.token_ids, params, wire.id, salt, probe, prompt.blend)
     return await respond(request, stream, wire, bool(body.stream), probe)
 
@@ -128,6 +131,7 @@ class _Conversation:
     docs: list[str] = field(default_factory=list)  # chunk texts; their blocks hold mark(i)
     tools: list[dict[str, Any]] | None = None  # for a template that takes tools natively
     tokenizer: Any = None
+    template_kwargs: dict[str, Any] | None = None  # thinking on or off (Qwen3's template)
 
     def render(self, cut: _Cut, final: bool) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of the prefix `cut` (`final`: the whole prompt), and its chunk spans."""
@@ -150,7 +154,16 @@ class _Conversation:
                     if any(mark(i) in m["content"] for m in messages)]
             return segment_ids(self.tokenizer, messages, docs, final, prefill)
         return chat_token_ids(self.tokenizer, messages, add_generation_prompt=final,
-                              continue_final_message=final and prefill, tools=self.tools), []
+                              continue_final_message=final and prefill, tools=self.tools,
+                              template_kwargs=self.template_kwargs), []
+
+
+_PAST_THINKING = ("thinking", "redacted_thinking")
+
+
+def _thinking_on(body: MessagesRequest) -> bool:
+    """The request asks for thinking blocks (enabled with a budget, or adaptive)."""
+    return (body.thinking or {}).get("type") in ("enabled", "adaptive")
 
 
 def _tools(body: MessagesRequest) -> tuple[list[ToolSpec], ToolChoice | None]:
@@ -178,7 +191,8 @@ def _build_prompt(state: ServerState, body: MessagesRequest) -> Prompt:
     tools, choice = _tools(body)
     native = choice is not None and template_takes_tools(state.tokenizer)
     talk = _Conversation(tokenizer=state.tokenizer, tools=[
-        {"type": "function", "function": t.as_json()} for t in tools] if native else None)
+        {"type": "function", "function": t.as_json()} for t in tools] if native else None,
+        template_kwargs=thinking_kwargs(state.tokenizer, _thinking_on(body)))
     marks: list[tuple[_Cut, CacheControl]] = []  # in the order Anthropic caches them
     offer = tools_prompt_parts(tools) if choice is not None and not native else []
     talk.num_offer_parts = len(offer)
@@ -194,12 +208,14 @@ def _build_prompt(state: ServerState, body: MessagesRequest) -> Prompt:
         texts = []
         for j, block in enumerate(_blocks(message.content, f"messages[{i}]")):
             where = f"messages[{i}].content[{j}]"
+            if block.type in _PAST_THINKING and message.role == "assistant":
+                continue  # a past turn's reasoning: thinking templates drop it, so do we
             if message.role == "system" and block.type != "text":
                 raise InvalidRequestError(f"{where}: a system message takes text blocks only, "
                                           f"not {block.type!r}")
             texts.append(_block_text(block, where, talk.docs))
             if block.cache_control:
-                marks.append((_Cut(len(talk.system), i, j + 1), block.cache_control))
+                marks.append((_Cut(len(talk.system), i, len(texts)), block.cache_control))
         talk.turns.append((message.role, texts))
     if body.cache_control:
         marks.append((_Cut(len(talk.system), len(talk.turns) - 1, len(talk.turns[-1][1])),

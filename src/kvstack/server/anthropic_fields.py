@@ -2,8 +2,10 @@
 the way Anthropic checks them and reported honestly, and `system` messages inside `messages`
 (Claude Code's mid-conversation system beta) placed where they stand.
 
-The served models have no thinking mode: `thinking` (enabled with a budget, adaptive or
-disabled) is accepted and no thinking block is ever produced. `context_management` edits
+`thinking` (enabled with a budget, adaptive or disabled) turns a thinking template's
+reasoning on or off (Qwen3's `enable_thinking`); its blocks come back as `thinking` content
+blocks (server/anthropic_wire.py). A model without reasoning blocks never produces one; the
+budget is checked, not enforced (max_tokens bounds the whole output). `context_management` edits
 clear old thinking blocks (there are none) or old tool results past a trigger; none is
 applied, and a response to a request that asked says so (`applied_edits: []`).
 System messages inside `messages` are placed where they stand by `chat_roles.py`.

@@ -1,9 +1,18 @@
-"""Anthropic's response shapes: a message whole or as events, with text and `tool_use` content
-blocks and cache usage (see `lifecycle.WireFormat`), and the pinning of `cache_control`
-breakpoints once the prompt is computed."""
+"""Anthropic's response shapes: a message whole or as events, with `thinking`, text and
+`tool_use` content blocks and cache usage (see `lifecycle.WireFormat`), and the pinning of
+`cache_control` breakpoints once the prompt is computed.
+
+A model whose template writes reasoning blocks (server/reasoning.py) has them split off its
+output; a request that enables thinking gets them as a `thinking` block first (streamed as
+`thinking_delta`s, then one `signature_delta` as the block closes), any other request gets
+only what follows them. The signature is opaque to clients as Anthropic's is; here it is a
+digest of the thinking text (nothing is encrypted, and a block sent back is never checked)."""
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import hashlib
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -13,6 +22,7 @@ from kvstack.blend.params import BlendSpec
 from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.server.blend_api import blend_usage
 from kvstack.server.lifecycle import sse
+from kvstack.server.reasoning import ReasoningStream, split_reasoning
 from kvstack.server.semantic_api import Probe
 from kvstack.server.state import ServerState
 from kvstack.server.tools import ToolCall, ToolChoice, ToolSpec, ToolStream, new_call_id
@@ -72,8 +82,17 @@ class AnthropicWire:
     `tool_use` block (a named tool's input streams as it is generated)."""
 
     def __init__(self, state: ServerState, prompt: Prompt, cache_salt: str | None,
-                 probe: Probe | None, edits_asked: bool = False) -> None:
+                 probe: Probe | None, edits_asked: bool = False,
+                 thinking: bool | None = None, show_thinking: bool = False) -> None:
         self.state = state
+        choice = prompt.tool_choice
+        # None: the output holds no reasoning blocks (True: the prompt opened one). A forced
+        # tool call is constrained from its first token, so it never reasons.
+        self.thinking = thinking if choice is None or choice.mode == "auto" else None
+        self.show_thinking = show_thinking  # the request enabled thinking: blocks are sent
+        self._reasoning: ReasoningStream | None = None
+        self._thought = ""  # thinking text sent so far
+        self._thinking_open = self._thinking_done = False
         # The request asked for context_management edits: answers report those applied (none).
         self.edits: dict[str, Any] = {"context_management": {"applied_edits": []}} \
             if edits_asked else {}
@@ -83,7 +102,6 @@ class AnthropicWire:
         self.headers = probe.headers if probe is not None else {}
         self.id = f"msg_{uuid.uuid4().hex}"
         self.usage = _Usage(len(prompt.token_ids), 0, 0)
-        choice = prompt.tool_choice
         self.tools = ToolStream(prompt.tools, choice, "toolu_") if choice else None
         self._blocks = 0  # content blocks opened so far
         self._closed = 0  # of those, closed
@@ -104,6 +122,11 @@ class AnthropicWire:
         reason, sequence = (None, None) if out is None else _stop(out)
         if out is not None:
             c = out.outputs[0]
+            if self.thinking is not None:
+                split = split_reasoning(c.text, self.thinking)
+                if split.reasoning and self.show_thinking:
+                    content.append(_thinking(split.reasoning))
+                c = dataclasses.replace(c, text=split.content)
             calls = self._calls(c)
             text = self.tools.content(c.text, True) if self.tools and calls else c.text
             if text or not calls:
@@ -116,16 +139,22 @@ class AnthropicWire:
 
     def opening(self, first: RequestOutput) -> Iterable[str]:
         yield _event("message_start", {"message": self.whole(None)})
-        if self.tools is None:
+        if self.tools is None and self.thinking is None:
             yield from self._open_text()
-        elif self.tools.choice.mode == "named":
+        elif self.tools is not None and self.tools.choice.mode == "named":
             call = ToolCall(new_call_id("toolu_"), self.tools.choice.name or "", "{}")
             yield from self._open({**_tool_use(call), "input": {}})
 
     def delta(self, out: RequestOutput, completion: CompletionOutput, sent_chars: int,
               sent_tokens: int) -> Iterable[str]:
         c = completion
-        if self.tools is None:
+        if self.thinking is not None:
+            yield from self._thinking_delta(c)
+            c = self._visible(c)
+            if self.tools is None:
+                yield from self._text_delta(c)
+                return
+        elif self.tools is None:
             text = c.text[sent_chars:]
             if text:
                 yield _event("content_block_delta",
@@ -151,10 +180,49 @@ class AnthropicWire:
             yield _event("content_block_delta", {"index": self._blocks - 1, "delta": {
                 "type": "input_json_delta", "partial_json": call.arguments}})
 
+    def _thinking_delta(self, c: CompletionOutput) -> Iterable[str]:
+        """The reasoning as it becomes certain, in a thinking block closed (signed) once the
+        content after it starts or the output ends."""
+        if self._reasoning is None:
+            self._reasoning = ReasoningStream(bool(self.thinking))
+        finished = c.finish_reason is not None
+        new, _ = self._reasoning.step(c.text, finished)
+        if new and self.show_thinking:
+            if not self._thinking_open:
+                self._thinking_open = True
+                yield from self._open({"type": "thinking", "thinking": "", "signature": ""})
+            self._thought += new
+            yield _event("content_block_delta", {"index": self._blocks - 1, "delta": {
+                "type": "thinking_delta", "thinking": new}})
+        ended = finished or split_reasoning(c.text, self._reasoning.opened, False).content
+        if self._thinking_open and not self._thinking_done and ended:
+            self._thinking_done = True
+            yield _event("content_block_delta", {"index": self._blocks - 1, "delta": {
+                "type": "signature_delta", "signature": _signature(self._thought)}})
+            yield from self._close()
+
+    def _text_delta(self, c: CompletionOutput) -> Iterable[str]:
+        """Content after the reasoning, in a text block opened at its first character (or
+        empty at the end, as a message with no text has)."""
+        text = c.text[self._sent_content:]
+        self._sent_content += len(text)
+        if (text or c.finish_reason is not None) and not self._text_open:
+            yield from self._open_text()
+        if text:
+            yield _event("content_block_delta", {"index": self._blocks - 1,
+                                                 "delta": {"type": "text_delta", "text": text}})
+
+    def _visible(self, c: CompletionOutput) -> CompletionOutput:
+        """`c` with only the content after its reasoning block (what tools parse)."""
+        if self.thinking is None:
+            return c
+        split = split_reasoning(c.text, self.thinking, c.finish_reason is not None)
+        return dataclasses.replace(c, text=split.content)
+
     def closing(self, out: RequestOutput) -> Iterable[str]:
         yield from self._close()
         reason, sequence = _stop(out)
-        if self._calls(out.outputs[0]):
+        if self._calls(self._visible(out.outputs[0])):
             reason = "tool_use"
         yield _event("message_delta", {
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
@@ -188,6 +256,14 @@ class AnthropicWire:
         if self._blocks > self._closed:
             self._closed = self._blocks
             yield _event("content_block_stop", {"index": self._blocks - 1})
+
+
+def _thinking(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": _signature(text)}
+
+
+def _signature(text: str) -> str:
+    return base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()
 
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:

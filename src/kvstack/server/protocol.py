@@ -222,6 +222,6 @@ class MessagesRequest(ExtraSampling):
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     blend: dict[str, Any] | None = None  # document / search_result blocks become chunks
-    # Checked, reported, never producing thinking blocks (server/anthropic_fields.py).
+    # Checked (server/anthropic_fields.py); turns a thinking template's reasoning on or off.
     thinking: dict[str, Any] | None = None
     context_management: dict[str, Any] | None = None

@@ -93,3 +93,35 @@ def thinking_of(tokenizer: Any, prompt_ids: list[int]) -> bool | None:
     if not template_thinks(tokenizer):
         return None
     return prompt_opens_thinking(tokenizer.decode(prompt_ids[-8:]))
+
+
+def thinking_kwargs(tokenizer: Any, enabled: bool | None) -> dict[str, Any] | None:
+    """Template variables that turn a thinking template's reasoning on or off (Qwen3's
+    `enable_thinking`); None for a template without reasoning or when `enabled` is None
+    (the template's own default)."""
+    if enabled is None or not template_thinks(tokenizer):
+        return None
+    return {"enable_thinking": enabled}
+
+
+def reasoning_tokens(tokenizer: Any, token_ids: list[int], opened: bool) -> int:
+    """How many of an output's tokens are its reasoning block (0 when it has none, or an
+    empty one): those up to the one that completes `</think>`, or all of them for a block
+    that never closed. Decoded prefixes only grow, so the closing token is found by a binary
+    search over decodes."""
+    def text(n: int) -> str:
+        return str(tokenizer.decode(token_ids[:n], skip_special_tokens=False))
+
+    whole = text(len(token_ids))
+    if not split_reasoning(whole, opened).reasoning:
+        return 0
+    if CLOSE not in whole:
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)  # the first n whose text holds the closing tag
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if CLOSE in text(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -22,6 +22,7 @@ from kvstack.server.auth import AuthTenant, tenant_id
 from kvstack.server.body import parse_body
 from kvstack.server.errors import ApiError
 from kvstack.server.lifecycle import respond
+from kvstack.server.reasoning import thinking_of
 from kvstack.server.responses.items import (
     Conversation,
     ResponsesRequest,
@@ -67,7 +68,9 @@ async def create_response(request: Request,
     listing = (*_history(previous), *listed(items))
     keep = _keeper(store, owner, prompt, listing) if body.store else _forget
     wire = ResponsesWire(state.model_name, echo, tools.use if tools else None,
-                         len(prompt.token_ids), keep, offered.namespace_of)
+                         len(prompt.token_ids), keep, offered.namespace_of,
+                         thinking=thinking_of(state.tokenizer, prompt.token_ids),
+                         tokenizer=state.tokenizer)
     wire.headers.update(offered.warning())
     salt = tenant.cache_salt(body.cache_salt)
     stream = state.start(prompt.token_ids, params, wire.id, salt)

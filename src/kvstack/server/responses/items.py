@@ -3,7 +3,8 @@
 Items are messages (role user, system, developer or assistant; content a string or
 `input_text` / `output_text` parts), `function_call` and `function_call_output`. A past call
 and its result are rendered as server/tools.py describes; an assistant message and the calls
-after it are one assistant turn. What kvstack cannot do (built-in tools, reasoning items,
+after it are one assistant turn; a `reasoning` item (a past output's) is dropped, as thinking
+templates drop past reasoning. What kvstack cannot do (built-in tools,
 background runs, images and files) is refused with a 400 that names the field.
 """
 
@@ -41,7 +42,7 @@ class ResponsesRequest(ExtraSampling):
     include: list[str] | None = None
     user: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
-    reasoning: dict[str, Any] | None = None  # accepted, no reasoning mode (tool_kinds.py)
+    reasoning: dict[str, Any] | None = None  # checked, echoed (tool_kinds.py)
     # Refused when set (see `refuse_unsupported`).
     background: bool | None = None
     conversation: Any = None
@@ -105,7 +106,13 @@ def input_items(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not raw:
         raise ApiError(400, "input is empty; give a string or at least one item",
                        param="input")
-    return [_item(i, item) for i, item in enumerate(raw)]
+    # A past reasoning item is dropped, as thinking templates drop a past turn's reasoning.
+    items = [_item(i, item) for i, item in enumerate(raw)
+             if not (isinstance(item, dict) and item.get("type") == "reasoning")]
+    if not items:
+        raise ApiError(400, "input holds only reasoning items; give a message too",
+                       param="input")
+    return items
 
 
 def _item(index: int, item: dict[str, Any]) -> dict[str, Any]:

@@ -91,9 +91,9 @@ INCLUDABLE = ("reasoning.encrypted_content", "message.output_text.logprobs",
 
 
 def check_reasoning(reasoning: dict[str, Any] | None) -> dict[str, Any]:
-    """`reasoning` as the response echoes it. The served models have no reasoning mode, so
-    any effort and summary are accepted and there is never a reasoning item (usage reports
-    zero reasoning tokens); values OpenAI does not define are a 400."""
+    """`reasoning` as the response echoes it. Any effort and summary are accepted and change
+    nothing: a model whose template writes reasoning blocks returns them as a reasoning item
+    (its text, no summary), any other never does; values OpenAI does not define are a 400."""
     given = reasoning or {}
     effort, summary = given.get("effort"), given.get("summary", given.get("generate_summary"))
     if effort not in _EFFORTS:

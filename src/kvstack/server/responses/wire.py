@@ -1,7 +1,12 @@
 """The Responses API's shapes: a response object whole, or as the typed events the OpenAI SDK
 parses (see `server.lifecycle.WireFormat`), each with its `sequence_number`.
 
-Output items: one `message` (its text one `output_text` part) and a `function_call` per call.
+Output items: a `reasoning` item first when the model's template writes reasoning blocks and
+this output has one (server/reasoning.py; its text one `reasoning_text` content part, no
+summary: nothing here summarises), one `message` (its text one `output_text` part) and a
+`function_call` per call. Reasoning streams as `response.reasoning_text.delta`s; the item is
+done when the message opens or the output ends, and usage counts its tokens
+(`output_tokens_details.reasoning_tokens`).
 Text streams as `response.output_text.delta`s as it becomes certain (a tail that may grow
 into a tool call is held back, server/tools.py); calls are parsed once the output is finished
 (only then do they parse), so each goes out whole: added, its arguments in one delta, done.
@@ -18,6 +23,7 @@ from typing import Any
 from kvstack.outputs import CompletionOutput, RequestOutput
 from kvstack.server.lifecycle import sse
 from kvstack.server.openai_wire import ToolUse
+from kvstack.server.reasoning import ReasoningStream, reasoning_tokens, split_reasoning
 from kvstack.server.tools import ToolStream
 
 Keep = Callable[[dict[str, Any], RequestOutput], None]
@@ -26,7 +32,8 @@ Keep = Callable[[dict[str, Any], RequestOutput], None]
 class ResponsesWire:
     def __init__(self, model: str, echo: dict[str, Any], tool_use: ToolUse | None,
                  num_prompt_tokens: int, keep: Keep,
-                 namespace_of: dict[str, str] | None = None) -> None:
+                 namespace_of: dict[str, str] | None = None, thinking: bool | None = None,
+                 tokenizer: Any = None) -> None:
         self.headers: dict[str, str] = {}
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
@@ -42,6 +49,13 @@ class ResponsesWire:
         self._announced = False  # response.created is out
         self._open = False  # the message item and its text part are out
         self._sent = 0  # characters of message text sent
+        # None: the output holds no reasoning blocks (True: the prompt opened one)
+        self._thinking = thinking
+        self._tokenizer = tokenizer  # counts reasoning tokens
+        self._reasoning_id = f"rs_{uuid.uuid4().hex}"
+        self._reasoning: ReasoningStream | None = None
+        self._thought = ""  # reasoning text sent
+        self._thought_open = self._thought_done = False
 
     async def started(self, first: RequestOutput) -> None:
         return None
@@ -72,10 +86,13 @@ class ResponsesWire:
 
     def delta(self, out: RequestOutput, completion: CompletionOutput, sent_chars: int,
               sent_tokens: int) -> Iterable[str]:
+        if self._thinking is not None:
+            yield from self._reasoning_delta(completion)
         text = self._content(completion)
         # The message opens at its first visible text: output that turns out to be only tool
         # calls then has no message item, whole or streamed.
         if not self._open and text.strip():
+            yield from self._close_reasoning(self._thought)
             yield from self._open_message()
         yield from self._text_delta(text)
 
@@ -83,6 +100,9 @@ class ResponsesWire:
         body = self._response(out)
         self._keep(body, out)
         for index, item in enumerate(body["output"]):
+            if item["type"] == "reasoning":
+                yield from self._close_reasoning(item["content"][0]["text"])
+                continue
             if item["type"] == "message":
                 yield from self._close_message(item)
                 continue
@@ -105,11 +125,50 @@ class ResponsesWire:
     def done(self) -> Iterable[str]:
         return ()  # a Responses stream ends with its last event; it has no [DONE]
 
+    def _reasoning_delta(self, completion: CompletionOutput) -> Iterable[str]:
+        if self._reasoning is None:
+            self._reasoning = ReasoningStream(bool(self._thinking))
+        new, _ = self._reasoning.step(completion.text, completion.finish_reason is not None)
+        yield from self._thought_delta(new)
+
+    def _thought_delta(self, new: str) -> Iterable[str]:
+        if not new:
+            return
+        if not self._thought_open:
+            self._thought_open = True
+            yield self._event("response.output_item.added", output_index=0,
+                              item=self._reasoning_item("", "in_progress"))
+            yield self._event("response.content_part.added", **self._thought_at,
+                              part=_reasoning_part(""))
+        self._thought += new
+        yield self._event("response.reasoning_text.delta", **self._thought_at, delta=new)
+
+    def _close_reasoning(self, text: str) -> Iterable[str]:
+        """The reasoning item done with its whole `text` (opened first if it never was)."""
+        if self._thought_done or not text:
+            return
+        yield from self._thought_delta(text[len(self._thought):])
+        self._thought_done = True
+        yield self._event("response.reasoning_text.done", **self._thought_at, text=text)
+        yield self._event("response.content_part.done", **self._thought_at,
+                          part=_reasoning_part(text))
+        yield self._event("response.output_item.done", output_index=0,
+                          item=self._reasoning_item(text, "completed"))
+
+    def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        return {"id": self._reasoning_id, "type": "reasoning", "summary": [],
+                "content": [_reasoning_part(text)] if text else [], "status": status}
+
+    @property
+    def _thought_at(self) -> dict[str, Any]:
+        return {"item_id": self._reasoning_id, "output_index": 0, "content_index": 0}
+
     def _open_message(self) -> Iterable[str]:
         self._open = True
         item = {"id": self._message_id, "type": "message", "status": "in_progress",
                 "role": "assistant", "content": []}
-        yield self._event("response.output_item.added", output_index=0, item=item)
+        yield self._event("response.output_item.added", output_index=self._message_index,
+                          item=item)
         yield self._event("response.content_part.added", **self._text_at,
                           part=_text_part(""))
 
@@ -128,11 +187,17 @@ class ResponsesWire:
                           logprobs=[])
         yield self._event("response.content_part.done", **self._text_at,
                           part=_text_part(text))
-        yield self._event("response.output_item.done", output_index=0, item=item)
+        yield self._event("response.output_item.done", output_index=self._message_index,
+                          item=item)
+
+    @property
+    def _message_index(self) -> int:
+        return 1 if self._thought_open else 0  # after the reasoning item, if there is one
 
     @property
     def _text_at(self) -> dict[str, Any]:
-        return {"item_id": self._message_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self._message_id, "output_index": self._message_index,
+                "content_index": 0}
 
     def _event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, **fields, "sequence_number": self._seq}
@@ -160,22 +225,39 @@ class ResponsesWire:
             "input_tokens": self._num_prompt_tokens,
             "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
             "output_tokens": num_out,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(completion)},
             "total_tokens": self._num_prompt_tokens + num_out,
         }
         return body
 
+    def _reasoning_tokens(self, completion: CompletionOutput) -> int:
+        if self._thinking is None or self._tokenizer is None:
+            return 0
+        return reasoning_tokens(self._tokenizer, list(completion.token_ids), self._thinking)
+
+    def _visible(self, completion: CompletionOutput) -> str:
+        """The output after its reasoning block (all of it for a model without them)."""
+        if self._thinking is None:
+            return completion.text
+        return split_reasoning(completion.text, self._thinking,
+                               completion.finish_reason is not None).content
+
     def _content(self, completion: CompletionOutput) -> str:
         finished = completion.finish_reason is not None
         if self._tools is None:
-            return completion.text
-        return self._tools.content(completion.text, finished)
+            return self._visible(completion)
+        return self._tools.content(self._visible(completion), finished)
 
     def _output(self, completion: CompletionOutput, status: str) -> list[dict[str, Any]]:
-        calls = self._tools.calls(completion.text) if self._tools is not None \
+        visible = self._visible(completion)
+        calls = self._tools.calls(visible) if self._tools is not None \
             and completion.finish_reason == "stop" else None
         text = self._content(completion)
         items: list[dict[str, Any]] = []
+        thought = split_reasoning(completion.text, self._thinking).reasoning \
+            if self._thinking is not None else ""
+        if thought:
+            items.append({**self._reasoning_item(thought, "completed")})
         if not calls or text.strip():
             items.append({"id": self._message_id, "type": "message", "status": status,
                           "role": "assistant", "content": [_text_part(text)]})
@@ -187,6 +269,10 @@ class ResponsesWire:
                 item["namespace"] = self._namespace_of[call.name]
             items.append(item)
         return items
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _text_part(text: str) -> dict[str, Any]:
