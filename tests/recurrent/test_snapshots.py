@@ -145,3 +145,24 @@ def test_engine_wide_drafts_leave_greedy_exact(folder: Path, hf: Any) -> None:
         [(out, _)] = run(llm, [prompt])
         assert out == hf_greedy(hf, prompt)
     assert llm.engine.stats().num_draft_tokens == 0
+
+
+def test_cache_breakpoints_keep_a_snapshot(folder: Path, hf: Any) -> None:
+    shared = tokens(26, 50)  # a breakpoint after 26 tokens: the snapshot after block 6
+    first, second = shared + tokens(30, 51), shared + tokens(9, 52)
+
+    def hits(**options: Any) -> tuple[int, list[int]]:
+        llm = tiny_llm(folder, state_snapshot_every=1000)
+        engine = llm.engine
+        engine.add_request(first, GREEDY, **options)
+        while engine.has_unfinished():
+            engine.step()
+        [(out, cached)] = run(llm, [second])
+        return cached, out
+
+    # no snapshot inside the first prompt's blocks that the second can use: it recomputes
+    assert hits()[0] == 0
+    cached, out = hits(snapshot_at=[26])
+    assert cached == 24 and out == hf_greedy(hf, second)
+    with pytest.raises(InvalidRequestError, match="snapshot_at"):
+        tiny_llm(folder).engine.add_request([5, 6, 7], GREEDY, snapshot_at="26")

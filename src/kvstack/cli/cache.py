@@ -153,7 +153,6 @@ def _entry(tier: str, name: str, size: int, head: bytes, age_s: float | None) ->
         h = parse_header(head)
     except BlockFault as err:
         from kvstack.blend.codec import parse_chunk_header  # torch: only when listing
-
         from kvstack.recurrent.codec import parse_snapshot_header
 
         try:

@@ -113,7 +113,8 @@ class ClusterEngine:
     async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams,
                        request_id: str, cache_salt: str | None = None,
                        draft_token_ids: Sequence[int] | None = None,
-                       blend: BlendSpec | None = None) -> AsyncIterator[RequestOutput]:
+                       blend: BlendSpec | None = None, snapshot_at: Sequence[int] = ()
+                       ) -> AsyncIterator[RequestOutput]:
         if blend is not None:
             raise BlendError("blending is not available with --replicas yet; send the "
                              "documents without blend")
@@ -121,7 +122,8 @@ class ClusterEngine:
         keys = tuple(request_keys(ids, self.layout, cache_salt))
         text = self.tokenizer.decode(ids) if self.send_text and self.tokenizer else None
         request = ReplicaRequest(request_id, ids, sampling_params, cache_salt, keys,
-                                 list(draft_token_ids) if draft_token_ids else None, text)
+                                 list(draft_token_ids) if draft_token_ids else None, text,
+                                 snapshot_at=tuple(snapshot_at))
         for attempt in (0, 1):
             replica: str | None = None
             sent = False

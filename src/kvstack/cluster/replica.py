@@ -139,7 +139,8 @@ class EngineReplica:
             started = False
             async for out in self.engine.generate(request.prompt_token_ids,
                                                   request.sampling_params, rid,
-                                                  request.cache_salt, request.draft_token_ids):
+                                                  request.cache_salt, request.draft_token_ids,
+                                                  snapshot_at=request.snapshot_at):
                 if not started:
                     started = True
                     self.load.started(rid)

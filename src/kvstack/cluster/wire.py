@@ -40,6 +40,7 @@ class ReplicaRequest:
     exclude: tuple[str, ...] = ()  # replicas never to pick (the one a retry lost)
     # A prefill replica's `pd.handoff.Handoff` (prompt blocks to fetch), for a decode replica.
     handoff: Any = None
+    snapshot_at: tuple[int, ...] = ()  # cache breakpoints (a hybrid model's state snapshots)
 
     @property
     def num_prompt_tokens(self) -> int:

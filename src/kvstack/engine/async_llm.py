@@ -175,12 +175,13 @@ class AsyncLLM:
         cache_salt: str | None = None,
         draft_token_ids: Sequence[int] | None = None,
         blend: BlendSpec | None = None,
+        snapshot_at: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request (validation errors raise here) and stream its outputs: each is
         cumulative, and one the reader was too slow to take is folded into the next."""
         box = _Mailbox(asyncio.get_running_loop())
         await asyncio.to_thread(self._add, prompt, sampling_params, request_id, cache_salt,
-                                draft_token_ids, box, blend)
+                                draft_token_ids, box, blend, snapshot_at)
         finished = False
         try:
             while not finished:
@@ -206,6 +207,7 @@ class AsyncLLM:
         draft_token_ids: Sequence[int] | None,
         box: _Mailbox,
         blend: BlendSpec | None = None,
+        snapshot_at: Sequence[int] = (),
     ) -> None:
         if self._error is not None:
             raise EngineDeadError(f"engine failed: {self._error!r}; restart the server")
@@ -216,7 +218,8 @@ class AsyncLLM:
                 )
             self.engine.add_request(prompt, sampling_params, request_id=request_id,
                                     cache_salt=cache_salt, draft_token_ids=draft_token_ids,
-                                    blend=blend)
+                                    blend=blend,
+                                    **({"snapshot_at": list(snapshot_at)} if snapshot_at else {}))
             self._streams[request_id] = box
         self._wake.set()
 

@@ -40,7 +40,7 @@ from kvstack.models import CausalLM, family_of
 from kvstack.recurrent.budget import snapshot_every, split_budget
 from kvstack.recurrent.codec import SnapshotFormat
 from kvstack.recurrent.plan import RecurrentModel
-from kvstack.recurrent.store import SnapshotPolicy, StateStore
+from kvstack.recurrent.store import SNAPSHOT_OPTION, SnapshotPolicy, StateStore
 from kvstack.recurrent.tiers import SnapshotTiers
 from kvstack.samples.feature import ParallelSamples
 from kvstack.scoring.prompt import PromptScores
@@ -129,7 +129,9 @@ def register_features(parts: EngineParts, config: EngineConfig, clock: Clock) ->
     # Blending refuses a spec it cannot run (no blender: window mode, int4, Gemma 3).
     hooks.on_add.append(_blend_setup(parts.blender))
     hooks.on_add.append(_scoring_setup(block_size, parts.tokenizer))
-    hooks.options |= {"blend", "num_scored"}
+    # `snapshot_at`: prompt lengths a hybrid model keeps its recurrent state at (cache
+    # breakpoints); accepted, and without meaning, for every other model
+    hooks.options |= {"blend", "num_scored", SNAPSHOT_OPTION}
     vocab_size = parts.model_config.vocab_size
     drafts = DraftTracker(parts.kv_storage is not None and parts.kv_storage.lossy,
                           # a recurrent state cannot take back rejected draft tokens
@@ -347,7 +349,11 @@ def _register_states(parts: EngineParts, config: EngineConfig, manager: KVCacheM
             raise InvalidRequestError(
                 f"{parts.model_config.architecture} keeps a recurrent state per sequence: "
                 "parallel samples (n, best_of > 1) and draft tokens are not supported")
-        return None
+        points = new.options.get(SNAPSHOT_OPTION) or ()
+        if not isinstance(points, (list, tuple)) or not all(isinstance(n, int) for n in points):
+            raise InvalidRequestError(f"{SNAPSHOT_OPTION} must be a list of prompt lengths "
+                                      f"(integers), got {points!r}")
+        return (lambda request: store.keep_at(request.request_id, points)) if points else None
     hooks.on_add.append(on_add)
     hooks.before_run.append(store.before_run)
     hooks.after_step.append(store.after_step)

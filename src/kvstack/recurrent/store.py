@@ -10,9 +10,10 @@ state before the step runs. With tiers (`tiers.py`), a kept snapshot is written 
 its block and one missing from memory is looked up there.
 
 Which block boundaries keep one (`SnapshotPolicy`): every `every` blocks; the last boundary
-of each prompt; the last boundary a sequence reached before it finished (a conversation's
-next turn resumes there); and the end of the run of blocks the cache already held when a
-request was admitted (where prefixes are shared: the next session hits all of it).
+of each prompt; the boundary at or before each of a request's cache breakpoints (`keep_at`);
+the last boundary a sequence reached before it finished (a conversation's next turn resumes
+there); and the end of the run of blocks the cache already held when a request was admitted
+(where prefixes are shared: the next session hits all of it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import torch
 from kvstack.kv.block_hash import BlockHash
 from kvstack.recurrent.plan import LinearState, RecurrentModel, SequenceStep, StepStates
 from kvstack.recurrent.tiers import SnapshotTiers
+
+# `LLMEngine.add_request` keyword: prompt lengths to keep a snapshot at (`StateStore.keep_at`)
+SNAPSHOT_OPTION = "snapshot_at"
 
 
 class _Request(Protocol):
@@ -99,6 +103,7 @@ class StateStore:
         self.nbytes = 0
         self.num_bad = 0  # snapshots dropped for a failed checksum
         self._cut: dict[BlockHash, Snapshot] = {}  # where this step's hits resume
+        self._points: dict[str, frozenset[int]] = {}  # per request: block counts to keep
         # per scheduled request: (its id, (stop offset, block count, kept by the policy))
         self._pending: list[tuple[str, list[tuple[int, int, bool]]]] = []
 
@@ -178,9 +183,9 @@ class StateStore:
             live = self._live_at(r.request_id, r.num_computed_tokens)
             start, n = r.num_computed_tokens, s.num_new_tokens
             crossed = list(range(start // bs + 1, (start + n) // bs + 1))
-            stops = [(b * bs - start, b, self.policy.keeps(b, r.num_prompt_tokens,
-                                                           live.shared_run))
-                     for b in crossed]
+            points = self._points.get(r.request_id, frozenset())
+            stops = [(b * bs - start, b, b in points or self.policy.keeps(
+                b, r.num_prompt_tokens, live.shared_run)) for b in crossed]
             # the kept ones, and the last (a sequence's latest boundary, kept at its finish)
             stops = [st for i, st in enumerate(stops) if st[2] or i == len(stops) - 1]
             self._pending.append((r.request_id, stops))
@@ -228,7 +233,16 @@ class StateStore:
                     live.last = (hashes[block - 1], _snapshot(states))
         self._pending = []
 
+    def keep_at(self, request_id: str, num_tokens: Sequence[int]) -> None:
+        """Keep snapshots at the block boundary at or before each of these prompt lengths (a
+        client's cache breakpoints: Anthropic `cache_control`), whatever the policy says."""
+        blocks = frozenset(n // self.policy.block_size for n in num_tokens
+                           if n >= self.policy.block_size)
+        if blocks:
+            self._points[request_id] = blocks
+
     def on_finish(self, request_id: str) -> None:
+        self._points.pop(request_id, None)
         live = self._live.pop(request_id, None)
         if live is not None and live.last is not None:
             self.put(live.last[0], live.last[1].states)

@@ -89,7 +89,9 @@ async def messages(request: Request, tenant: AuthTenant) -> JSONResponse | Strea
     wire = AnthropicWire(state, prompt, salt, probe, edits_asked,
                          thinking=thinking_of(state.tokenizer, prompt.token_ids),
                          show_thinking=_thinking_on(body))
-    stream = state.start(prompt.token_ids, params, wire.id, salt, probe, prompt.blend)
+    # a hybrid model keeps its recurrent state at each breakpoint (`recurrent/`)
+    stream = state.start(prompt.token_ids, params, wire.id, salt, probe, prompt.blend,
+                         [n for n, _ in prompt.breakpoints])
     return await respond(request, stream, wire, bool(body.stream), probe)
 
 

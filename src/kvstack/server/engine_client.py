@@ -35,10 +35,11 @@ class EngineClient(Protocol):
 
     def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams,
                  request_id: str, cache_salt: str | None = None,
-                 draft_token_ids: Sequence[int] | None = None, blend: BlendSpec | None = None
-                 ) -> AsyncIterator[RequestOutput]:
+                 draft_token_ids: Sequence[int] | None = None, blend: BlendSpec | None = None,
+                 snapshot_at: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
         """Queue a request and stream its cumulative outputs; leaving early aborts it.
-        `blend`: reuse its chunks' K/V (APPROXIMATE, `blend/`)."""
+        `blend`: reuse its chunks' K/V (APPROXIMATE, `blend/`); `snapshot_at`: prompt lengths
+        (cache breakpoints) a hybrid model keeps its recurrent state at (`recurrent/`)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -66,6 +66,7 @@ class Generation:
         cache_salt: str | None,
         draft_token_ids: Sequence[int] | None = None,
         blend: BlendSpec | None = None,
+        snapshot_at: Sequence[int] = (),
     ) -> None:
         self.request_id = request_id
         self.finished = False
@@ -73,16 +74,18 @@ class Generation:
         self._metrics = metrics
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._task = asyncio.create_task(self._pump(list(prompt_token_ids), sampling_params,
-                                                    cache_salt, draft_token_ids, blend))
+                                                    cache_salt, draft_token_ids, blend,
+                                                    snapshot_at))
         _pumps.add(self._task)
         self._task.add_done_callback(_pumps.discard)
 
     async def _pump(self, prompt: list[int], sampling_params: SamplingParams,
                     cache_salt: str | None, draft_token_ids: Sequence[int] | None,
-                    blend: BlendSpec | None) -> None:
+                    blend: BlendSpec | None, snapshot_at: Sequence[int]) -> None:
         try:
             async for out in self._engine.generate(prompt, sampling_params, self.request_id,
-                                                   cache_salt, draft_token_ids, blend):
+                                                   cache_salt, draft_token_ids, blend,
+                                                   snapshot_at):
                 self._queue.put_nowait(out)
         except asyncio.CancelledError:
             # Cancelled while the request was still being queued: make sure it goes too.

@@ -5,6 +5,7 @@ mapping both APIs share."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,14 +117,15 @@ class ServerState:
 
     def start(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
               request_id: str, cache_salt: str | None, probe: Probe | None = None,
-              blend: BlendSpec | None = None) -> OutputStream:
+              blend: BlendSpec | None = None, snapshot_at: Sequence[int] = ()
+              ) -> OutputStream:
         """The output stream of a request: the semantic cache's replay on a trust-mode hit,
         else a model run (with the hit's answer as a draft in verify mode)."""
         if probe is not None and probe.replays:
             return probe.replay(request_id, prompt_token_ids)
         draft = probe.draft(self.tokenizer) if probe is not None else None
         return Generation(self.engine, self.metrics, prompt_token_ids, sampling_params,
-                          request_id, cache_salt, draft, blend)
+                          request_id, cache_salt, draft, blend, snapshot_at)
 
 
 def server_state(request: Request) -> ServerState:

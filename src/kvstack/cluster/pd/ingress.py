@@ -70,7 +70,8 @@ class PDClusterEngine(ClusterEngine):
     async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams,
                        request_id: str, cache_salt: str | None = None,
                        draft_token_ids: Sequence[int] | None = None,
-                       blend: BlendSpec | None = None) -> AsyncIterator[RequestOutput]:
+                       blend: BlendSpec | None = None, snapshot_at: Sequence[int] = ()
+                       ) -> AsyncIterator[RequestOutput]:
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         whole = blend is not None or not handoff_safe(sampling_params, draft_token_ids)
         local = not whole and len(ids) <= self.max_local_prefill
@@ -80,11 +81,12 @@ class PDClusterEngine(ClusterEngine):
             else:
                 self.handoffs.local += 1
             async for out in super().generate(ids, sampling_params, request_id, cache_salt,
-                                              draft_token_ids, blend):
+                                              draft_token_ids, blend, snapshot_at):
                 yield out
             return
         request = ReplicaRequest(request_id, ids, sampling_params, cache_salt,
-                                 tuple(request_keys(ids, self.layout, cache_salt)))
+                                 tuple(request_keys(ids, self.layout, cache_salt)),
+                                 snapshot_at=tuple(snapshot_at))
         leg = _Leg()
         async for out in self._prefill_leg(request, leg):
             yield out
